@@ -1,0 +1,63 @@
+"""fxflops: exact FLOPs of PyTorch models from their own traced graph.
+
+Public API: :func:`trace` (model -> :class:`Program`), :func:`instrument` (a counting wrapper with a
+:class:`Meter`), :mod:`fxflops.rules` (the op -> FLOPs registry) and the errors in :mod:`fxflops.errors`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from fxflops import rules
+from fxflops.capture.trace import capture
+from fxflops.errors import (
+    CaptureError,
+    FxFlopsError,
+    GuardError,
+    InputError,
+    PinnedSymbolError,
+    UnboundSymbolError,
+)
+from fxflops.instrument import Instrumented, instrument
+from fxflops.meter import Meter
+from fxflops.program import Program, Term, Unsupported
+
+
+def trace(
+    model: torch.nn.Module,
+    args: tuple = (),
+    kwargs: dict[str, Any] | None = None,
+    *,
+    dims: dict[str, dict[int, str]] | None = None,
+) -> Program:
+    """Trace ``model(*args, **kwargs)`` once with symbolic sizes and return its FLOPs :class:`Program`.
+
+    ``dims`` names the free symbols by forward-argument name and dimension, e.g.
+    ``{"input_ids": {1: "seq"}, "pixel_values": {0: "patches"}}``; one name on two inputs is one
+    symbol; every other dim is static. ``dims=None`` makes every dim of every tensor input free unless
+    the model's code pins it, named ``<argument>_<dim>``. With explicit ``dims``, a symbol the code
+    pins raises :class:`PinnedSymbolError` naming the line.
+    """
+    if not isinstance(args, tuple):
+        args = (args,)
+    return Program.from_capture(capture(model, args, kwargs, dims), model)
+
+
+__all__ = [
+    "CaptureError",
+    "FxFlopsError",
+    "GuardError",
+    "InputError",
+    "Instrumented",
+    "Meter",
+    "PinnedSymbolError",
+    "Program",
+    "Term",
+    "UnboundSymbolError",
+    "Unsupported",
+    "instrument",
+    "rules",
+    "trace",
+]

@@ -1,0 +1,5 @@
+import sys
+
+from fxflops.cli import main
+
+sys.exit(main())

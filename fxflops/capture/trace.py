@@ -1,0 +1,205 @@
+"""Capture: model + example call + named dims -> an FX graph whose sizes are named sympy symbols.
+
+How (chosen by measurement, see TRACING-NOTES.md): our own ``FakeTensorMode`` over a
+:class:`BlamingShapeEnv`, one symbol created per requested name (so equal example sizes never merge),
+inputs built as fake tensors of those symbolic sizes, then ``make_fx(tracing_mode="symbolic")`` with the
+module-stack tracer so every node knows its ``nn.Module`` path. Parameters stay real-shaped constants.
+No real compute runs. ``backed_size_oblivious`` keeps size-1/size-0 examples from specialising.
+``make_fx`` keeps every tensor op, also one whose result is unused, so work that executes is counted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import sympy
+import torch
+import torch.fx.experimental._config as fx_config
+import torch.utils._pytree as pytree
+from torch._dynamo.source import ConstantSource
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.symbolic_shapes import DimDynamic
+
+from fxflops.capture.inputs import DimSpec, Path, bind_call, resolve_dims, tensor_leaves
+from fxflops.capture.shape_env import BlamingShapeEnv, format_location
+from fxflops.errors import CaptureError, InputError, PinnedSymbolError
+
+
+def named_symbol(name: str) -> sympy.Symbol:
+    """The public symbol for a size called ``name``: a positive integer."""
+    return sympy.Symbol(name, integer=True, positive=True)
+
+
+@dataclass(frozen=True)
+class Guard:
+    """A condition on the symbols that the trace relied on, and the model line that made it."""
+
+    expr: sympy.Basic
+    location: str
+
+    def __str__(self) -> str:
+        return f"{self.expr}  ({self.location})"
+
+
+@dataclass
+class Captured:
+    """The result of one capture: graph, named symbols, guards and how inputs map to symbols."""
+
+    graph_module: torch.fx.GraphModule
+    shape_env: BlamingShapeEnv
+    symbols: dict[str, sympy.Symbol]  # free names (not pinned by the code) -> public symbols
+    env_to_named: dict[sympy.Symbol, sympy.Symbol]  # ShapeEnv's s<k> -> public symbol
+    dim_specs: list[DimSpec]
+    guards: list[Guard]
+    input_dims: dict[Path, tuple[sympy.Expr, ...]]  # every tensor input's dims, in public symbols
+    pinned: dict[str, sympy.Expr] = field(default_factory=dict)  # auto dims the code fixed
+
+    def named(self, expr: Any) -> sympy.Expr:
+        """A ShapeEnv expression (SymInt or sympy) in the public symbols, replacements applied."""
+        if isinstance(expr, torch.SymInt):
+            expr = expr.node.expr
+        return self.shape_env.replace(sympy.sympify(expr)).xreplace(self.env_to_named)
+
+
+def _symbolic_inputs(
+    env: BlamingShapeEnv,
+    mode: FakeTensorMode,
+    tensors: dict[Path, torch.Tensor],
+    specs: list[DimSpec],
+) -> tuple[dict[Path, torch.Tensor], dict[str, sympy.Symbol]]:
+    """Fake tensors for ``tensors`` whose spec'd dims are SymInts (one symbol per distinct name)."""
+    by_name: dict[str, tuple[Any, int]] = {}
+    sizes: dict[Path, list[Any]] = {path: list(t.shape) for path, t in tensors.items()}
+    for spec in specs:
+        example = tensors[spec.path].shape[spec.dim]
+        if spec.name not in by_name:
+            source = ConstantSource(spec.name)
+            sym = env.create_symbol(
+                example, source, DimDynamic.DYNAMIC, positive=None, do_not_specialize_zero_one=True
+            )
+            by_name[spec.name] = (env.create_symintnode(sym, hint=example, source=source), example)
+        symint, first = by_name[spec.name]
+        if example != first:
+            raise InputError(
+                f"symbol {spec.name!r} names sizes {first} and {example} in the example call; "
+                "one symbol must have one value"
+            )
+        sizes[spec.path][spec.dim] = symint
+    fakes = {}
+    with mode:
+        for path, tensor in tensors.items():
+            fake = torch.empty(sizes[path], dtype=tensor.dtype, device=tensor.device)
+            if tensor.requires_grad:
+                fake.requires_grad_(True)
+            fakes[path] = fake
+    env_syms = {name: symint.node.expr for name, (symint, _) in by_name.items()}
+    return fakes, env_syms
+
+
+def _check_free(env: BlamingShapeEnv, env_syms: dict[str, sympy.Symbol], strict: bool) -> dict:
+    """Raise if the model pinned or merged a requested symbol (``strict``), else report the pins."""
+    pinned = {}
+    for name, sym in env_syms.items():
+        target = env.replacements.get(sym)
+        vr = env.var_to_range.get(sym)
+        if target is None and vr is not None and vr.is_singleton():
+            target = sympy.Integer(int(vr.lower))
+        if target is None:
+            continue
+        pinned[name] = target
+        if strict:
+            where = format_location(
+                getattr(env.replacements_slocs.get(sym), "framework_loc", None)
+            )
+            what = (
+                f"fixed to {target}"
+                if not target.free_symbols
+                else f"tied to {target.xreplace({s: sympy.Symbol(n) for n, s in env_syms.items()})}"
+            )
+            raise PinnedSymbolError(
+                f"symbol {name!r} is not free: the model code {what} at {where}. "
+                f"Remove {name!r} from dims, or change the code so the size can vary."
+            )
+    return pinned
+
+
+@contextlib.contextmanager
+def _no_stack_traces() -> Iterator[None]:
+    """Skip per-node Python stack traces: ~20% of capture time, and fxflops reports module paths."""
+    before = torch.fx.config.do_not_emit_stack_traces
+    torch.fx.config.do_not_emit_stack_traces = True
+    try:
+        yield
+    finally:
+        torch.fx.config.do_not_emit_stack_traces = before
+
+
+def capture(
+    model: torch.nn.Module,
+    args: tuple = (),
+    kwargs: dict | None = None,
+    dims: dict[str, dict[int, str]] | None = None,
+    allow_pins: bool = False,
+) -> Captured:
+    """Trace ``model(*args, **kwargs)`` once with the ``dims`` as free symbols (see module doc).
+
+    A requested symbol the code pins raises :class:`PinnedSymbolError` unless ``dims`` is ``None``
+    (every dim free unless pinned, like ``Dim.AUTO``) or ``allow_pins`` (a re-capture for a call
+    outside an earlier program's guards: the pin becomes a guard of the new branch).
+    """
+    kwargs = kwargs or {}
+    named = bind_call(model.forward, args, kwargs)
+    tensors = tensor_leaves(named)
+    specs = resolve_dims(dims, tensors)
+
+    env = BlamingShapeEnv()
+    mode = FakeTensorMode(shape_env=env, allow_non_fake_inputs=True)
+    fakes, env_syms = _symbolic_inputs(env, mode, tensors, specs)
+    fake_by_id = {id(tensors[path]): fake for path, fake in fakes.items()}
+
+    leaves, tree = pytree.tree_flatten((args, kwargs))
+    slots = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+    # Parameters and buffers enter as static-shaped fake placeholders, swapped in with
+    # functional_call: the model's real state is never read for compute nor mutated (e.g. BatchNorm's
+    # num_batches_tracked += 1 during the trace).
+    state = {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers(remove_duplicate=False))}
+    with mode:
+        fake_state = [mode.from_tensor(t, static_shapes=True) for t in state.values()]
+
+    def run(*flat: torch.Tensor) -> list[torch.Tensor]:
+        call_leaves = list(leaves)
+        for i, tensor in zip(slots, flat):
+            call_leaves[i] = tensor
+        call_args, call_kwargs = pytree.tree_unflatten(call_leaves, tree)
+        swapped = dict(zip(state, flat[len(slots) :]))
+        out = torch.func.functional_call(model, swapped, call_args, call_kwargs, strict=False)
+        return [x for x in pytree.tree_leaves(out) if isinstance(x, torch.Tensor)]
+
+    run._orig_mod = model  # make_fx records nn_module_stack relative to this root
+
+    try:
+        with fx_config.patch(backed_size_oblivious=True), _no_stack_traces(), mode:
+            gm = make_fx(
+                run, tracing_mode="symbolic", _allow_non_fake_inputs=True, record_module_stack=True
+            )(*(fake_by_id[id(leaves[i])] for i in slots), *fake_state)
+    except Exception as exc:  # make_fx raises many types; name the model line that failed
+        raise CaptureError(
+            f"could not trace {type(model).__name__} symbolically: {type(exc).__name__}: {exc}"
+        ) from exc
+
+    pinned = _check_free(env, env_syms, strict=dims is not None and not allow_pins)
+    env_to_named = {sym: named_symbol(name) for name, sym in env_syms.items()}
+    captured = Captured(gm, env, {}, env_to_named, specs, [], {}, pinned)
+    captured.symbols = {name: named_symbol(name) for name in env_syms if name not in pinned}
+    captured.input_dims = {
+        path: tuple(captured.named(size) for size in fake.shape) for path, fake in fakes.items()
+    }
+    for guard in env.guards:
+        expr = captured.named(guard.expr)
+        if expr is not sympy.true:
+            captured.guards.append(Guard(expr, format_location(guard.sloc.framework_loc)))
+    return captured

@@ -1,0 +1,25 @@
+"""Errors fxflops raises. Each names the module, input or symbol involved and what to do about it."""
+
+
+class FxFlopsError(Exception):
+    """Base class of every fxflops error."""
+
+
+class CaptureError(FxFlopsError):
+    """The model could not be traced symbolically (data-dependent code, unsupported construct)."""
+
+
+class PinnedSymbolError(CaptureError):
+    """A requested free symbol was pinned to a constant or merged with another symbol by the model."""
+
+
+class UnboundSymbolError(FxFlopsError):
+    """A program was evaluated without a value for one of its symbols."""
+
+
+class GuardError(FxFlopsError):
+    """Symbol values fall outside the guards the trace relied on, so the polynomial would not be exact."""
+
+
+class InputError(FxFlopsError):
+    """A call's inputs do not match what the program was captured with (missing tensor, wrong rank)."""

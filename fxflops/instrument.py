@@ -1,0 +1,147 @@
+"""``instrument(model)``: a wrapper that counts every call's FLOPs from its shapes.
+
+The wrapper's forward runs the model unchanged and returns its output. The first call is the example:
+the model is captured symbolically (fake tensors, no real compute) into a :class:`Program`. Each call
+binds the free symbols from the argument shapes, checks the trace's guards and adds the monomial
+vector to ``wrapper.flops`` (a :class:`Meter`). Nothing is attached to the model: no hooks, no modes;
+the wrapper shares the model's parameter, buffer and submodule dicts, so ``state_dict()`` keys,
+``parameters()`` and ``.to()`` are the model's own.
+
+A call outside every captured program's guards (or with a different input layout) is re-captured as
+a new branch of a piecewise program (``on_miss="recapture"``, the default) or refused with
+:class:`GuardError` (``on_miss="raise"``). Counting never stops training unless ``strict=True``: a
+capture that fails is reported once as a warning and the call is marked uncounted.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+
+from fxflops.capture.trace import capture
+from fxflops.errors import CaptureError, FxFlopsError, GuardError, InputError
+from fxflops.meter import Meter
+from fxflops.program import Program
+
+ON_MISS = ("recapture", "raise")
+
+
+class Instrumented(torch.nn.Module):
+    """The model behind ``fxflops.instrument``; see the module docstring."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        dims: dict[str, dict[int, str]] | None,
+        on_miss: str,
+        strict: bool,
+        max_programs: int,
+    ) -> None:
+        if on_miss not in ON_MISS:
+            raise ValueError(f"on_miss must be one of {ON_MISS}, not {on_miss!r}")
+        super().__init__()
+        # Share the model's registries (not a child module): state_dict keys stay the model's.
+        self._parameters = model._parameters
+        self._buffers = model._buffers
+        self._non_persistent_buffers_set = model._non_persistent_buffers_set
+        self._modules = model._modules
+        self.training = model.training
+        object.__setattr__(self, "model", model)
+        self.dims = dims
+        self.on_miss = on_miss
+        self.strict = strict
+        self.max_programs = max_programs
+        self.programs: list[Program] = []
+        self.flops = Meter()
+        self.captures = 0
+        self._warned: set[str] = set()
+        self._failed: dict[tuple, str] = {}
+
+    @property
+    def program(self) -> Program | None:
+        """The first captured program (``None`` before the first call)."""
+        return self.programs[0] if self.programs else None
+
+    def train(self, mode: bool = True) -> Instrumented:
+        self.model.train(mode)
+        self.training = mode
+        return self
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(object.__getattribute__(self, "model"), name)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        out = self.model(*args, **kwargs)
+        try:
+            self._count(args, kwargs)
+        except FxFlopsError as exc:
+            if self.strict or (self.on_miss == "raise" and isinstance(exc, GuardError)):
+                raise
+            self.flops.uncounted += 1
+            self._warn_once(str(exc))
+        return out
+
+    def _count(self, args: tuple, kwargs: dict) -> None:
+        miss = "no program captured yet"
+        for program in self.programs:
+            try:
+                values = program.binder.values(args, kwargs)
+            except InputError as exc:
+                miss = str(exc)
+                continue
+            if program.within_guards(*values):
+                self.flops.add(program, program.monomials(*values))
+                return
+            miss = program.explain_guard_failure(values)
+        if self.programs and self.on_miss == "raise":
+            raise GuardError(f"{type(self.model).__name__}: {miss}")
+        if len(self.programs) >= self.max_programs:
+            raise GuardError(
+                f"{type(self.model).__name__}: {miss}; already {len(self.programs)} programs "
+                f"(max_programs={self.max_programs}), not capturing another"
+            )
+        key = _shape_key(args, kwargs)
+        if key in self._failed:
+            raise CaptureError(self._failed[key])
+        try:
+            captured = capture(self.model, args, kwargs, self.dims, allow_pins=bool(self.programs))
+        except CaptureError as exc:
+            self._failed[key] = str(exc)  # do not re-trace the same shapes on every call
+            raise
+        program = Program.from_capture(captured, self.model)
+        self.captures += 1
+        self.programs.append(program)
+        self.flops.add(program, program.monomials(*program.binder.values(args, kwargs)))
+
+    def _warn_once(self, message: str) -> None:
+        if message not in self._warned:
+            self._warned.add(message)
+            warnings.warn(f"fxflops: call not counted: {message}", stacklevel=3)
+
+
+def _shape_key(args: tuple, kwargs: dict) -> tuple:
+    """Every tensor's shape and every other argument's type, to recognise a repeated failing call."""
+    def describe(x: Any) -> Any:
+        return tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+
+    return tuple(map(describe, args)) + tuple((k, describe(v)) for k, v in kwargs.items())
+
+
+def instrument(
+    model: torch.nn.Module,
+    *,
+    dims: dict[str, dict[int, str]] | None = None,
+    on_miss: str = "recapture",
+    strict: bool = False,
+    max_programs: int = 8,
+) -> Instrumented:
+    """Wrap ``model`` so every call adds its FLOPs to ``wrapper.flops`` (see module docstring).
+
+    ``dims`` as for :func:`fxflops.trace` (``None``: every input dim free unless the code pins it).
+    """
+    return Instrumented(model, dims, on_miss, strict, max_programs)

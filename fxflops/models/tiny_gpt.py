@@ -1,0 +1,98 @@
+"""A GPT-style decoder in plain torch: RMSNorm, GQA attention with causal SDPA, SwiGLU MLP, untied head.
+
+Small by default (the demo and tests trace it in well under a second), any size by config.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    vocab: int = 1000
+    hidden: int = 96
+    heads: int = 6
+    kv_heads: int = 2
+    ffn: int = 256
+    layers: int = 2
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.q_proj = nn.Linear(cfg.hidden, cfg.heads * cfg.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden, cfg.kv_heads * cfg.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden, cfg.kv_heads * cfg.head_dim, bias=False)
+        self.o_proj = nn.Linear(cfg.heads * cfg.head_dim, cfg.hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        cfg = self.cfg
+        q = self.q_proj(x).view(b, s, cfg.heads, cfg.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, s, cfg.kv_heads, cfg.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, s, cfg.kv_heads, cfg.head_dim).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return self.o_proj(y.transpose(1, 2).reshape(b, s, -1))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden, cfg.ffn, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden, cfg.ffn, bias=False)
+        self.down_proj = nn.Linear(cfg.ffn, cfg.hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.attn_norm = nn.RMSNorm(cfg.hidden)
+        self.attn = Attention(cfg)
+        self.mlp_norm = nn.RMSNorm(cfg.hidden)
+        self.mlp = SwiGLU(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x))
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class TinyGPT(nn.Module):
+    def __init__(self, cfg: GPTConfig = GPTConfig()) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab, cfg.hidden)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
+        self.norm = nn.RMSNorm(cfg.hidden)
+        self.lm_head = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(input_ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.lm_head(self.norm(x))
+
+
+def forward_flops_formula(cfg: GPTConfig, batch: int, seq: int) -> int:
+    """Hand formula of TinyGPT's forward FLOPs (FlopCounterMode convention, written from the math).
+
+    Per token: 2 FLOPs per weight of every matmul (QKVO, SwiGLU, head): 2·N_matmul.
+    Attention core per layer: QKᵀ and P·V at query heads over the full s×s (causal not halved):
+    2·2·b·heads·s²·head_dim. Embedding, norms, softmax, SiLU: not counted.
+    """
+    hd = cfg.head_dim
+    per_layer = cfg.hidden * hd * (2 * cfg.heads + 2 * cfg.kv_heads) + 3 * cfg.hidden * cfg.ffn
+    n_matmul = cfg.layers * per_layer + cfg.hidden * cfg.vocab
+    return 2 * n_matmul * batch * seq + 4 * cfg.layers * batch * cfg.heads * seq * seq * hd

@@ -1,0 +1,304 @@
+"""Program: the traced model's FLOPs as exact polynomials per graph node and per module.
+
+Built from a :class:`~fxflops.capture.trace.Captured` graph: every node gets a :class:`Term` from its
+rule (module path from ``nn_module_stack``, phase, sympy expression in the named symbols). Terms roll
+up into the module tree of ``model.named_modules()``; a module called twice sums both calls.
+
+Evaluation uses a monomial basis: every module/phase total is a linear combination ``C · m(x)`` of a few
+monomials ``m(x)`` (``seq``, ``seq**2``, ``batch*seq``, ...). A call evaluates ``m(x)`` once (cost
+independent of the number of modules) and any breakdown is a dot product at read time. Coefficients are
+scaled by their common denominator so that everything stays in exact Python integers.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import operator
+import warnings
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import networkx as nx
+import sympy
+import torch
+
+from fxflops.binder import Binder, python_source
+from fxflops.capture.trace import Captured, Guard
+from fxflops.errors import CaptureError, GuardError, UnboundSymbolError
+from fxflops.rules import rule_for
+from fxflops.rules.not_counted import is_not_counted, touches_floats
+
+PHASES = ("fwd", "bwd", "recompute")
+
+
+@dataclass(frozen=True)
+class Term:
+    """The FLOPs of one graph node: ``flops`` (sympy) done by ``op`` inside module ``module``."""
+
+    node: str
+    op: str
+    module: str
+    phase: str
+    flops: sympy.Expr
+
+
+@dataclass(frozen=True)
+class Unsupported:
+    """A floating-point op with no rule: its work is unknown, so totals are lower bounds."""
+
+    node: str
+    op: str
+    module: str
+
+    def __str__(self) -> str:
+        return f"{self.op} (graph node {self.node}) in module {self.module or '<root>'!r}"
+
+
+def module_path(node: torch.fx.Node) -> str:
+    """The path of the innermost ``nn.Module`` the node ran in (``""`` = the root)."""
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return ""
+    return next(reversed(stack.values()))[0]
+
+
+def _as_rule_argument(value: Any, named: Callable[[Any], sympy.Expr]) -> Any:
+    """An FX argument as rules see it: tensors -> shape tuples, SymInts -> sympy, rest unchanged."""
+    if isinstance(value, torch.fx.Node):
+        value = value.meta.get("val")
+    if isinstance(value, torch.Tensor):
+        return tuple(named(s) for s in value.shape)
+    if isinstance(value, torch.SymInt):
+        return named(value)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_as_rule_argument(v, named) for v in value)
+    return value
+
+
+def _tensor_values(value: Any) -> Any:
+    """The node argument(s) as their traced values (FakeTensors), for dtype checks."""
+    if isinstance(value, torch.fx.Node):
+        return value.meta.get("val")
+    if isinstance(value, (list, tuple)):
+        return [_tensor_values(v) for v in value]
+    return value
+
+
+def terms_of(captured: Captured, phase: str = "fwd") -> tuple[list[Term], list[Unsupported]]:
+    """Apply the rule of every op node in the captured graph (see module docstring)."""
+    terms, unsupported = [], []
+    for node in captured.graph_module.graph.nodes:
+        if node.op != "call_function" or node.target is operator.getitem:
+            continue
+        op = node.target
+        rule = rule_for(op)
+        if rule is None:
+            inputs = [_tensor_values(a) for a in (*node.args, *node.kwargs.values())]
+            if (
+                isinstance(op, torch._ops.OpOverload | torch._ops.HigherOrderOperator)
+                and not is_not_counted(op)
+                and touches_floats(inputs, node.meta.get("val"))
+            ):
+                unsupported.append(Unsupported(node.name, str(op), module_path(node)))
+            continue
+        args = [_as_rule_argument(a, captured.named) for a in node.args]
+        kwargs = {k: _as_rule_argument(v, captured.named) for k, v in node.kwargs.items()}
+        out_shape = _as_rule_argument(node.meta.get("val"), captured.named)
+        try:
+            flops = sympy.expand(sympy.sympify(rule(*args, out_shape=out_shape, **kwargs)))
+        except Exception as exc:  # a rule refusing its input (e.g. varlen offsets) names itself
+            raise CaptureError(
+                f"FLOPs rule for {op} in module {module_path(node) or '<root>'!r} failed: {exc}"
+            ) from exc
+        if flops != 0:
+            terms.append(Term(node.name, str(op), module_path(node), phase, flops))
+    return terms, unsupported
+
+
+def _depth(path: str) -> int:
+    return 0 if path == "" else path.count(".") + 1
+
+
+def _ancestors(path: str) -> list[str]:
+    """``"a.b.c"`` -> ``["", "a", "a.b", "a.b.c"]``."""
+    parts = path.split(".") if path else []
+    return [""] + [".".join(parts[: i + 1]) for i in range(len(parts))]
+
+
+class Program:
+    """Exact FLOPs polynomials of one traced model (one capture, one set of guards).
+
+    Attributes: ``symbols`` (free sympy symbols, sorted by name), ``terms`` (per node),
+    ``unsupported`` (ops with no rule), ``guards`` (conditions the polynomials need),
+    ``tree`` (networkx DiGraph of module paths).
+    """
+
+    def __init__(
+        self,
+        terms: list[Term],
+        unsupported: list[Unsupported],
+        symbols: Iterable[sympy.Symbol],
+        guards: list[Guard],
+        module_paths: Iterable[str],
+        binder: Binder,
+    ) -> None:
+        self.terms = terms
+        self.unsupported = unsupported
+        self.symbols = tuple(sorted(symbols, key=str))
+        self.guards = guards
+        self.binder = binder
+        self.tree = nx.DiGraph()
+        for path in [*module_paths, *(t.module for t in terms)]:
+            chain = _ancestors(path)
+            nx.add_path(self.tree, chain) if len(chain) > 1 else self.tree.add_node("")
+        self._compile()
+
+    @classmethod
+    def from_capture(cls, captured: Captured, model: torch.nn.Module) -> Program:
+        terms, unsupported = terms_of(captured)
+        for op in sorted({u.op for u in unsupported}):
+            where = sorted({u.module or "<root>" for u in unsupported if u.op == op})
+            warnings.warn(
+                f"fxflops: no FLOPs rule for {op} (in {', '.join(where)}); its work is not counted "
+                "and program.unsupported lists it. Register one with fxflops.rules.register.",
+                stacklevel=3,
+            )
+        binder = Binder(model.forward, captured.input_dims, tuple(sorted(captured.symbols.values(), key=str)))
+        return cls(
+            terms,
+            unsupported,
+            captured.symbols.values(),
+            captured.guards,
+            (name for name, _ in model.named_modules()),
+            binder,
+        )
+
+    # ---- compilation to the monomial basis -------------------------------------------------
+    def _compile(self) -> None:
+        """Basis monomials, integer coefficient rows per (module, phase), generated evaluators."""
+        formulas: dict[tuple[str, str], sympy.Expr] = defaultdict(lambda: sympy.Integer(0))
+        for term in self.terms:
+            for path in _ancestors(term.module):
+                formulas[(path, term.phase)] += term.flops
+        self._formulas = {key: sympy.expand(expr) for key, expr in formulas.items()}
+        coefficient_maps = {key: expr.as_coefficients_dict() for key, expr in self._formulas.items()}
+        self.basis: tuple[sympy.Expr, ...] = tuple(
+            sorted({m for c in coefficient_maps.values() for m in c}, key=sympy.default_sort_key)
+        )
+        column = {m: i for i, m in enumerate(self.basis)}
+        self.denominator = math.lcm(
+            1, *(sympy.fraction(c)[1] for cm in coefficient_maps.values() for c in cm.values())
+        )
+        self.rows: dict[tuple[str, str], list[tuple[int, int]]] = {
+            key: [(column[m], int(c * self.denominator)) for m, c in cm.items()]
+            for key, cm in coefficient_maps.items()
+        }
+        names = {sym: f"v{i}" for i, sym in enumerate(self.symbols)}
+        params = ", ".join(names.values())
+        monomials = ", ".join(python_source(m, names) for m in self.basis)
+        checks = " and ".join(f"({python_source(g.expr, names)})" for g in self.guards) or "True"
+        scope: dict[str, Any] = {}
+        exec(  # noqa: S102 - generated from our own sympy expressions
+            f"def monomials({params}):\n    return ({monomials}{',' if self.basis else ''})\n"
+            f"def within_guards({params}):\n    return {checks}\n",
+            scope,
+        )
+        self.monomials: Callable[..., tuple[int, ...]] = scope["monomials"]
+        self.within_guards: Callable[..., bool] = scope["within_guards"]
+
+    # ---- evaluation ---------------------------------------------------------------------------
+    def values_of(self, **values: int) -> tuple[int, ...]:
+        """Symbol values in ``self.symbols`` order; raise on a missing one or outside the guards."""
+        missing = [str(s) for s in self.symbols if str(s) not in values]
+        if missing:
+            raise UnboundSymbolError(
+                f"no value for symbol(s) {missing}; the program's symbols are {[str(s) for s in self.symbols]}"
+            )
+        ordered = tuple(int(values[str(s)]) for s in self.symbols)
+        if not self.within_guards(*ordered):
+            raise GuardError(self.explain_guard_failure(ordered))
+        return ordered
+
+    def explain_guard_failure(self, ordered: tuple[int, ...]) -> str:
+        """Which guard these values break, with the model line that made it."""
+        subs = dict(zip(self.symbols, ordered))
+        broken = [g for g in self.guards if not bool(g.expr.xreplace(subs))]
+        shown = ", ".join(f"{s}={v}" for s, v in subs.items())
+        return f"{shown} break the trace's guard(s): " + "; ".join(map(str, broken))
+
+    def evaluate(self, monomial_sums: tuple[int, ...] | list[int], module: str = "", phase: str | None = None) -> int:
+        """``C[module, phase] · m`` for accumulated monomials ``m`` (all phases when ``phase`` is None)."""
+        phases = PHASES if phase is None else (phase,)
+        total = 0
+        for ph in phases:
+            for col, coeff in self.rows.get((module, ph), ()):
+                total += coeff * monomial_sums[col]
+        return total // self.denominator
+
+    def total(self, phase: str | None = None, **values: int) -> int:
+        """Total FLOPs at these symbol values, e.g. ``program.total(seq=2048)``."""
+        return self.evaluate(self.monomials(*self.values_of(**values)), "", phase)
+
+    def breakdown(self, depth: int | None = None, phase: str | None = None, **values: int) -> dict[str, int]:
+        """Inclusive FLOPs of every module (``depth``: only paths at most that deep; root depth 0)."""
+        m = self.monomials(*self.values_of(**values))
+        return {
+            path: self.evaluate(m, path, phase)
+            for path in self.modules(depth)
+        }
+
+    def modules(self, depth: int | None = None) -> list[str]:
+        """Module paths in tree order (pre-order from the root), optionally cut at ``depth``."""
+        order = list(nx.dfs_preorder_nodes(self.tree, ""))
+        return [p for p in order if depth is None or _depth(p) <= depth]
+
+    def formula(self, path: str = "", phase: str | None = None) -> sympy.Expr:
+        """Closed form of a module's inclusive FLOPs in the named symbols."""
+        phases = PHASES if phase is None else (phase,)
+        return sympy.expand(sum((self._formulas.get((path, ph), 0) for ph in phases), sympy.Integer(0)))
+
+    def count(self, *args: Any, **kwargs: Any) -> int:
+        """FLOPs of ``model(*args, **kwargs)`` from the batch's shapes, without running the model."""
+        values = self.binder.values(args, kwargs)
+        if not self.within_guards(*values):
+            raise GuardError(self.explain_guard_failure(values))
+        return self.evaluate(self.monomials(*values))
+
+    # ---- reporting -----------------------------------------------------------------------------
+    def to_json(self) -> str:
+        """Symbols, guards, per-module formulas, terms and unsupported ops as a JSON document."""
+        return json.dumps(
+            {
+                "symbols": [str(s) for s in self.symbols],
+                "guards": [{"expr": str(g.expr), "location": g.location} for g in self.guards],
+                "modules": {
+                    path: {ph: str(self._formulas[(path, ph)]) for ph in PHASES if (path, ph) in self._formulas}
+                    for path in self.modules()
+                },
+                "terms": [
+                    {"node": t.node, "op": t.op, "module": t.module, "phase": t.phase, "flops": str(t.flops)}
+                    for t in self.terms
+                ],
+                "unsupported": [
+                    {"node": u.node, "op": u.op, "module": u.module}
+                    for u in self.unsupported
+                ],
+            },
+            indent=2,
+        )
+
+    def table(self, depth: int | None = None, **values: int) -> str:
+        """A readable per-module table; with symbol values also the FLOPs and each module's share."""
+        from fxflops.report import program_table
+
+        return program_table(self, depth, values)
+
+    def __repr__(self) -> str:
+        return (
+            f"Program(symbols={[str(s) for s in self.symbols]}, terms={len(self.terms)}, "
+            f"modules={self.tree.number_of_nodes()}, guards={len(self.guards)}, "
+            f"unsupported={len(self.unsupported)})"
+        )

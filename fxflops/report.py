@@ -1,0 +1,59 @@
+"""Plain-text tables of programs and meters (no dependency beyond the standard library)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from fxflops.program import Program
+
+
+def human(flops: int) -> str:
+    """``1234567`` -> ``1.23 MFLOP``: engineering units, exact value kept elsewhere."""
+    for unit, scale in (("PFLOP", 10**15), ("TFLOP", 10**12), ("GFLOP", 10**9), ("MFLOP", 10**6), ("KFLOP", 10**3)):
+        if abs(flops) >= scale:
+            return f"{flops / scale:.2f} {unit}"
+    return f"{flops} FLOP"
+
+
+def render(header: list[str], rows: list[list[str]]) -> str:
+    """Left-aligned first column, right-aligned numbers, one space-padded line per row."""
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    lines = []
+    for row in [header, ["-" * w for w in widths], *rows]:
+        cells = [str(c).ljust(widths[0]) if i == 0 else str(c).rjust(widths[i]) for i, c in enumerate(row)]
+        if len(row) > 3 and row is not header:  # formula column reads better left-aligned
+            cells[-1] = str(row[-1]).ljust(widths[-1])
+        lines.append("  ".join(cells).rstrip())
+    return "\n".join(lines)
+
+
+def _label(path: str) -> str:
+    depth = 0 if path == "" else path.count(".") + 1
+    return "  " * depth + (path.rsplit(".", 1)[-1] if path else "<model>")
+
+
+def program_table(program: Program, depth: int | None, values: dict[str, Any]) -> str:
+    """Module | FLOPs | share | formula; FLOPs and share only when every symbol has a value."""
+    modules = [p for p in program.modules(depth) if program.formula(p) != 0]
+    if values:
+        flops = program.breakdown(depth, **values)
+        total = flops[""] or 1
+        rows = [
+            [_label(p), f"{flops[p]:,}", f"{100 * flops[p] / total:.1f}%", str(program.formula(p))]
+            for p in modules
+        ]
+        header = ["module", "FLOPs", "share", "formula"]
+        title = "FLOPs at " + ", ".join(f"{k}={v}" for k, v in values.items())
+    else:
+        rows = [[_label(p), str(program.formula(p))] for p in modules]
+        header = ["module", "formula"]
+        title = "FLOPs formulas in " + ", ".join(str(s) for s in program.symbols)
+    return f"{title} (1 multiply-add = 2 FLOPs, FlopCounterMode convention)\n" + render(header, rows)
+
+
+def meter_table(breakdown: dict[str, int]) -> str:
+    """Module | accumulated FLOPs | share, from a Meter's breakdown."""
+    total = breakdown.get("", 0) or 1
+    rows = [[_label(p), f"{v:,}", human(v), f"{100 * v / total:.1f}%"] for p, v in breakdown.items() if v]
+    return render(["module", "FLOPs", "", "share"], rows)

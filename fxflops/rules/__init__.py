@@ -1,0 +1,9 @@
+"""FLOPs rules: one registry (``registry.py``) and one module per op family.
+
+Importing this package registers every built-in rule.
+"""
+
+from fxflops.rules import attention, conv, matmul  # noqa: F401  (registration side effect)
+from fxflops.rules.registry import register, registered_ops, rule_for, shape_of
+
+__all__ = ["register", "registered_ops", "rule_for", "shape_of"]

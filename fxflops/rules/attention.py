@@ -1,0 +1,167 @@
+"""FLOPs rules for fused attention: SDPA aten forms, raw flash/efficient kernels, flex attention.
+
+Conventions, as FlopCounterMode (torch/utils/flop_counter.py ``sdpa_flop_count`` and
+``sdpa_backward_flop_count``), with one multiply-add = 2 FLOPs and ``B`` batch, ``Hq`` query heads,
+``Sq``/``Sk`` query/key lengths, ``Dqk`` query/key head dim, ``Dv`` value head dim:
+
+- forward: S = Q·Kᵀ and O = P·V -> 2·B·Hq·Sq·Sk·(Dqk + Dv) (= 4·B·H·S²·D for equal sizes);
+- fused backward: recompute S = Q·Kᵀ, dP = dO·Vᵀ, dV = Pᵀ·dO, dQ = dS·K, dK = dSᵀ·Q
+  -> 2·B·Hq·Sq·Sk·(3·Dqk + 2·Dv) (= 2.5× forward for Dqk = Dv);
+- grouped-query attention is counted at the query heads (each query head does its own products);
+- causal masks, attention masks/biases, dropout, softmax and block sparsity are not counted: the
+  count is the dense one (causal is never halved); gradient masks are ignored (kernels compute all).
+
+Several backward schemas name an input ``out`` (the forward output handed to the kernel); the rules
+call it ``forward_out`` to keep it apart from the result shape ``out_shape``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fxflops.rules.registry import register
+
+aten = torch.ops.aten
+
+_VARLEN_MESSAGE = (
+    "{op}: variable-length (packed varlen or paged) attention costs Σ Sq_i·Sk_i over per-sequence "
+    "lengths held in the data of {offsets}, which tensor shapes do not carry. Counting it needs "
+    "segment metadata, which is not supported yet."
+)
+
+
+def _attention_forward_flops(batch, q_heads, q_len, kv_len, qk_dim, v_dim):
+    """2·B·Hq·Sq·Sk·(Dqk + Dv): Q·Kᵀ (2·Sq·Sk·Dqk) plus P·V (2·Sq·Sk·Dv) per batch and query head."""
+    return 2 * batch * q_heads * q_len * kv_len * (qk_dim + v_dim)
+
+
+def _attention_backward_flops(batch, q_heads, q_len, kv_len, qk_dim, v_dim):
+    """2·B·Hq·Sq·Sk·(3·Dqk + 2·Dv): recomputed Q·Kᵀ, dP, dV, dQ, dK (Dqk, Dv, Dv, Dqk, Dqk)."""
+    return 2 * batch * q_heads * q_len * kv_len * (3 * qk_dim + 2 * v_dim)
+
+
+def _heads_first(flops, query, key, value):
+    """Apply ``flops`` to (B, H, S, D) query/key/value shapes."""
+    batch, q_heads, q_len, qk_dim = query
+    return flops(batch, q_heads, q_len, key[2], qk_dim, value[3])
+
+
+def _sequence_first(flops, query, key, value):
+    """Apply ``flops`` to (B, S, H, D) query/key/value shapes (the raw flash/efficient layout)."""
+    batch, q_len, q_heads, qk_dim = query
+    return flops(batch, q_heads, q_len, key[1], qk_dim, value[3])
+
+
+def _reject_varlen(op_name, offsets_name, *offsets):
+    """Raise ``ValueError`` when any offsets/page-table tensor is present (lengths live in its data)."""
+    if any(offset is not None for offset in offsets):
+        raise ValueError(_VARLEN_MESSAGE.format(op=op_name, offsets=offsets_name))
+
+
+@register(
+    aten._scaled_dot_product_efficient_attention,
+    aten._scaled_dot_product_flash_attention,
+    aten._scaled_dot_product_cudnn_attention,
+    aten._scaled_dot_product_flash_attention_for_cpu,
+    aten._scaled_dot_product_fused_attention_overrideable,
+)
+def sdpa_forward(query, key, value, *args, out_shape=None, **kwargs):
+    """SDPA kernels, (B,H,S,D) inputs: 2·B·Hq·Sq·Sk·(Dqk + Dv).
+
+    Source: torch/utils/flop_counter.py ``sdpa_flop``, which does not register (so counts 0 for) the
+    CPU flash kernel and the overrideable one.
+    """
+    return _heads_first(_attention_forward_flops, query, key, value)
+
+
+@register(
+    aten._scaled_dot_product_flash_attention_backward,
+    aten._scaled_dot_product_cudnn_attention_backward,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward,
+    aten._scaled_dot_product_fused_attention_overrideable_backward,
+)
+def sdpa_backward(grad_out, query, key, value, *args, out_shape=None, **kwargs):
+    """SDPA fused backward, (B,H,S,D) inputs: 2·B·Hq·Sq·Sk·(3·Dqk + 2·Dv).
+
+    Source: torch/utils/flop_counter.py ``sdpa_backward_flop_count``; FlashAttention-2 paper
+    (Dao, 2023) Algorithm 2 (backward recomputes S = Q·Kᵀ, then dV, dP, dQ, dK).
+    """
+    return _heads_first(_attention_backward_flops, query, key, value)
+
+
+@register(aten._scaled_dot_product_efficient_attention_backward)
+def sdpa_efficient_backward(grad_out_, query, key, value, *args, out_shape=None, **kwargs):
+    """Memory-efficient SDPA backward: as ``sdpa_backward`` (its schema names the gradient ``grad_out_``)."""
+    return _heads_first(_attention_backward_flops, query, key, value)
+
+
+@register(aten._flash_attention_forward)
+def flash_attention_forward(query, key, value, cum_seq_q, cum_seq_k, *args, out_shape=None, **kwargs):
+    """Raw flash forward, dense (B,S,H,D) inputs: 2·B·Hq·Sq·Sk·(Dqk + Dv).
+
+    Packed varlen inputs (``cum_seq_q``/``cum_seq_k``) and a paged KV cache (``block_table``) raise
+    ``ValueError``: their work depends on offsets that shapes do not carry. ``seqused_k`` is not read
+    (Sk is then an upper bound). Source: torch/utils/flop_counter.py ``_flash_attention_forward_flop``,
+    which reads dense (B,S,H,D) inputs as (B,H,S,D); flash-attention ``flash_attn_func`` docs give the
+    (batch, seqlen, nheads, headdim) layout.
+    """
+    _reject_varlen("_flash_attention_forward", "cum_seq_q/cum_seq_k", cum_seq_q, cum_seq_k)
+    _reject_varlen("_flash_attention_forward", "block_table", kwargs.get("block_table"))
+    return _sequence_first(_attention_forward_flops, query, key, value)
+
+
+@register(aten._flash_attention_backward)
+def flash_attention_backward(
+    grad_out, query, key, value, forward_out, logsumexp, cum_seq_q, cum_seq_k, *args, out_shape=None, **kwargs,
+):
+    """Raw flash backward, dense (B,S,H,D) inputs: 2·B·Hq·Sq·Sk·(3·Dqk + 2·Dv); varlen raises ValueError.
+
+    Source: torch/utils/flop_counter.py ``_flash_attention_backward_flop`` (same (B,S,H,D) misreading).
+    """
+    _reject_varlen("_flash_attention_backward", "cum_seq_q/cum_seq_k", cum_seq_q, cum_seq_k)
+    return _sequence_first(_attention_backward_flops, query, key, value)
+
+
+@register(aten._efficient_attention_forward)
+def efficient_attention_forward(query, key, value, bias, cu_seqlens_q, cu_seqlens_k, *args, out_shape=None, **kwargs):
+    """Raw memory-efficient forward, dense (B,S,H,D) inputs: 2·B·Hq·Sq·Sk·(Dqk + Dv).
+
+    Packed varlen inputs (``cu_seqlens_q``/``cu_seqlens_k``) raise ``ValueError``; ``seqlen_k`` is not
+    read (Sk is then an upper bound). Source: torch/utils/flop_counter.py
+    ``_efficient_attention_forward_flop`` (reads (B,S,H,D) as (B,H,S,D)); xformers
+    ``memory_efficient_attention`` docs give the [B, M, H, K] layout.
+    """
+    _reject_varlen("_efficient_attention_forward", "cu_seqlens_q/cu_seqlens_k", cu_seqlens_q, cu_seqlens_k)
+    return _sequence_first(_attention_forward_flops, query, key, value)
+
+
+@register(aten._efficient_attention_backward)
+def efficient_attention_backward(
+    grad_out_, query, key, value, bias, forward_out, cu_seqlens_q, cu_seqlens_k, *args, out_shape=None, **kwargs,
+):
+    """Raw memory-efficient backward, dense (B,S,H,D): 2·B·Hq·Sq·Sk·(3·Dqk + 2·Dv); varlen raises.
+
+    Source: torch/utils/flop_counter.py ``_efficient_attention_backward_flop``.
+    """
+    _reject_varlen("_efficient_attention_backward", "cu_seqlens_q/cu_seqlens_k", cu_seqlens_q, cu_seqlens_k)
+    return _sequence_first(_attention_backward_flops, query, key, value)
+
+
+@register(torch.ops.higher_order.flex_attention)
+def flex_attention(query, key, value, score_mod, block_mask, *args, out_shape=None, **kwargs):
+    """flex_attention, (B,H,S,D) inputs: 2·B·Hq·Sq·Sk·(Dqk + Dv), dense.
+
+    ``score_mod`` and the block mask are not read: block sparsity is data, so this is the dense
+    count (FlopCounterMode scales by an optional ``sparsity_hint`` node annotation instead).
+    Source: torch/utils/flop_counter.py ``flex_attention_forward_flop``.
+    """
+    return _heads_first(_attention_forward_flops, query, key, value)
+
+
+@register(torch.ops.higher_order.flex_attention_backward)
+def flex_attention_backward(query, key, value, forward_out, logsumexp, grad_out, *args, out_shape=None, **kwargs):
+    """flex_attention_backward, (B,H,S,D) inputs: 2·B·Hq·Sq·Sk·(3·Dqk + 2·Dv), dense.
+
+    Source: torch/utils/flop_counter.py ``flex_attention_backward_flop``.
+    """
+    return _heads_first(_attention_backward_flops, query, key, value)

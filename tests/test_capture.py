@@ -1,0 +1,273 @@
+"""Capture behaviour: duck sizing, 0/1 examples, guards, pinned dims, unsupported ops, errors."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import fxflops
+from fxflops.models.tiny_gpt import GPTConfig, TinyGPT
+from reference import reference_counts
+
+
+class Branchy(nn.Module):
+    """Takes an extra layer only for long inputs: a shape-dependent branch (a guard)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        self.extra = nn.Linear(16, 16)
+
+    def forward(self, x):
+        x = self.fc(x)
+        if x.shape[1] > 32:  # BRANCH LINE
+            x = self.extra(x)
+        return x
+
+
+class Pinning(nn.Module):
+    """Adds a fixed-size positional table: the code forces seq == 64."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pos = nn.Parameter(torch.zeros(64, 16))
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.fc(x + self.pos)  # PIN LINE
+
+
+def line_of(marker: str) -> int:
+    with open(__file__) as f:
+        return next(i for i, line in enumerate(f, 1) if marker in line and "def line_of" not in line)
+
+
+def test_duck_sizing_does_not_merge_seq_with_hidden():
+    """seq = 64 = hidden size in the example: seq must still be a free symbol."""
+    model = TinyGPT(GPTConfig(vocab=100, hidden=64, heads=4, kv_heads=2, ffn=64, layers=1))
+    program = fxflops.trace(model, (torch.randint(0, 100, (2, 64)),), dims={"input_ids": {1: "seq"}})
+    assert [str(s) for s in program.symbols] == ["seq"]
+    ids = torch.randint(0, 100, (2, 37))
+    assert program.total(seq=37) == reference_counts(model, ids)[""]
+
+
+def test_size_one_examples_do_not_specialise():
+    """batch = 1 and seq = 1 in the example: both stay free and count other sizes exactly."""
+    model = TinyGPT(GPTConfig(vocab=100, hidden=32, heads=2, kv_heads=1, ffn=48, layers=1))
+    program = fxflops.trace(model, (torch.randint(0, 100, (1, 1)),), dims={"input_ids": {0: "b", 1: "s"}})
+    assert {str(s) for s in program.symbols} == {"b", "s"}
+    for b, s in [(1, 1), (3, 17), (2, 64)]:
+        ids = torch.randint(0, 100, (b, s))
+        assert program.total(b=b, s=s) == reference_counts(model, ids)[""]
+
+
+def test_zero_config_names_every_dim():
+    model = TinyGPT(GPTConfig(vocab=100, hidden=32, heads=2, kv_heads=1, ffn=48, layers=1))
+    program = fxflops.trace(model, (torch.randint(0, 100, (2, 9)),))
+    assert [str(s) for s in program.symbols] == ["input_ids_0", "input_ids_1"]
+
+
+def test_shape_dependent_branch_records_guard_with_model_line():
+    program = fxflops.trace(Branchy(), (torch.randn(2, 40, 16),), dims={"x": {1: "seq"}})
+    assert len(program.guards) == 1
+    guard = program.guards[0]
+    assert str(guard.expr) == "seq > 32"
+    assert f"test_capture.py:{line_of('BRANCH LINE')}" in guard.location
+    assert program.total(seq=33) == 2 * (2 * 2 * 33 * 16 * 16)
+    with pytest.raises(fxflops.GuardError, match=r"seq > 32.*test_capture.py"):
+        program.total(seq=10)
+
+
+def test_branch_miss_recaptures_by_default_and_raises_on_request():
+    model = Branchy()
+    wrapper = fxflops.instrument(model, dims={"x": {1: "seq"}})
+    for seq in (40, 10, 50, 5):
+        x = torch.randn(2, seq, 16)
+        wrapper.flops.reset()
+        wrapper(x)
+        assert wrapper.flops.total() == reference_counts(model, x)[""]
+    assert wrapper.captures == 2  # one program per side of the branch
+
+    strict = fxflops.instrument(Branchy(), dims={"x": {1: "seq"}}, on_miss="raise")
+    strict(torch.randn(2, 40, 16))
+    with pytest.raises(fxflops.GuardError, match="seq > 32"):
+        strict(torch.randn(2, 10, 16))
+
+
+def test_pinned_symbol_names_the_model_line():
+    with pytest.raises(fxflops.PinnedSymbolError) as err:
+        fxflops.trace(Pinning(), (torch.randn(2, 64, 16),), dims={"x": {1: "seq"}})
+    message = str(err.value)
+    assert "'seq'" in message and "fixed to 64" in message
+    assert f"test_capture.py:{line_of('PIN LINE')}" in message
+
+
+def test_zero_config_accepts_pins_as_constants():
+    """dims=None is like Dim.AUTO: a dim the code pins becomes a constant, the others stay free."""
+    program = fxflops.trace(Pinning(), (torch.randn(3, 64, 16),))
+    assert [str(s) for s in program.symbols] == ["x_0"]
+    assert program.total(x_0=5) == 2 * 5 * 64 * 16 * 16
+
+
+def test_unsupported_op_is_listed_and_warned_once():
+    class Spectral(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return torch.fft.rfft(self.fc(x), dim=-1).abs() + torch.fft.rfft(x, dim=-1).abs()
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        program = fxflops.trace(Spectral(), (torch.randn(4, 8),), dims={"x": {0: "n"}})
+    ops = {u.op for u in program.unsupported}
+    assert ops == {"aten._fft_r2c.default"} and len(program.unsupported) == 2
+    fft_warnings = [w for w in caught if "_fft_r2c" in str(w.message)]
+    assert len(fft_warnings) == 1, "one warning per op, not per node"
+    assert program.total(n=4) == 2 * 4 * 8 * 8  # the counted part stays exact
+
+
+def test_missing_symbol_value_is_an_error():
+    program = fxflops.trace(Branchy(), (torch.randn(2, 40, 16),), dims={"x": {0: "batch", 1: "seq"}})
+    with pytest.raises(fxflops.UnboundSymbolError, match="batch"):
+        program.total(seq=40)
+
+
+def test_input_outside_traced_static_dims_is_refused_with_its_name():
+    model = TinyGPT(GPTConfig(vocab=100, hidden=32, heads=2, kv_heads=1, ffn=48, layers=1))
+    program = fxflops.trace(model, (torch.randint(0, 100, (2, 9)),), dims={"input_ids": {1: "seq"}})
+    with pytest.raises(fxflops.InputError, match=r"'input_ids' dim 0 is 3.*= 2"):
+        program.count(torch.randint(0, 100, (3, 9)))
+    wrapper = fxflops.instrument(model, dims={"input_ids": {1: "seq"}}, on_miss="raise")
+    wrapper(torch.randint(0, 100, (2, 9)))
+    with pytest.raises(fxflops.GuardError, match="input_ids"):
+        wrapper(torch.randint(0, 100, (3, 9)))
+
+
+def test_bad_dims_are_reported():
+    with pytest.raises(fxflops.InputError, match=r"input 'ids'.*\['x'\]"):
+        fxflops.trace(Branchy(), (torch.randn(2, 40, 16),), dims={"ids": {1: "seq"}})
+    with pytest.raises(fxflops.InputError, match="rank 3"):
+        fxflops.trace(Branchy(), (torch.randn(2, 40, 16),), dims={"x": {5: "seq"}})
+
+
+def test_data_dependent_model_fails_open_unless_strict():
+    class DataDependent(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            keep = int((x > 0).sum())  # reads tensor data: no shape can say this
+            return self.fc(x[:keep])
+
+    x = torch.randn(6, 4)
+    lenient = fxflops.instrument(DataDependent())
+    with pytest.warns(UserWarning, match="not counted"):
+        out = lenient(x)
+    assert out.shape[1] == 4 and lenient.flops.uncounted == 1 and lenient.flops.calls == 0
+
+    strict = fxflops.instrument(DataDependent(), strict=True)
+    with pytest.raises(fxflops.CaptureError, match="DataDependent"):
+        strict(x)
+
+
+def test_instrument_leaves_the_model_untouched():
+    torch.manual_seed(0)
+    model = TinyGPT(GPTConfig(vocab=100, hidden=32, heads=2, kv_heads=1, ffn=48, layers=2))
+    hooks_before = {name: (len(m._forward_hooks), len(m._forward_pre_hooks)) for name, m in model.named_modules()}
+    wrapper = fxflops.instrument(model)
+    ids = torch.randint(0, 100, (2, 11))
+    torch.testing.assert_close(wrapper(ids), model(ids), rtol=0, atol=0)
+    assert list(wrapper.state_dict()) == list(model.state_dict())
+    assert [id(p) for p in wrapper.parameters()] == [id(p) for p in model.parameters()]
+    assert wrapper.cfg is model.cfg  # attribute access falls through to the model
+    hooks_after = {name: (len(m._forward_hooks), len(m._forward_pre_hooks)) for name, m in model.named_modules()}
+    assert hooks_after == hooks_before
+    wrapper.eval()
+    assert not model.training
+
+
+def test_capture_does_not_touch_real_buffers():
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    fxflops.trace(model, (torch.randn(2, 3, 8, 8),))
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(value, before[key], rtol=0, atol=0)
+
+
+def test_to_json_and_table():
+    program = fxflops.trace(Branchy(), (torch.randn(2, 40, 16),), dims={"x": {1: "seq"}})
+    doc = json.loads(program.to_json())
+    assert doc["symbols"] == ["seq"]
+    assert doc["modules"]["fc"]["fwd"] == "1024*seq"
+    assert doc["guards"][0]["expr"] == "seq > 32"
+    table = program.table(seq=40)
+    assert "fc" in table and "81,920" in table and "50.0%" in table
+
+
+def test_size_one_outside_a_guard_recaptures_exactly():
+    """einsum's contraction relies on seq != 1; a seq = 1 call gets its own exact program.
+
+    The seq = 1 branch (captured at batch 3) in turn relies on batch != 1, so (1, 1) is a third branch.
+    """
+    from zoo import EinsumAttention
+
+    model = EinsumAttention()
+    wrapper = fxflops.instrument(model, dims={"x": {0: "batch", 1: "seq"}})
+    wrapper(torch.randn(2, 9, 48))
+    assert any("Ne(seq, 1)" in str(g.expr) for g in wrapper.program.guards)
+    for shape in [(3, 1, 48), (2, 5, 48), (1, 1, 48)]:
+        x = torch.randn(*shape)
+        wrapper.flops.reset()
+        wrapper(x)
+        assert wrapper.flops.total() == reference_counts(model, x)[""]
+    assert wrapper.captures == 3
+    assert [str(s) for s in wrapper.programs[1].symbols] == ["batch"]  # seq pinned to 1 there
+
+
+class Keyworded(nn.Module):
+    """Nested and keyword inputs: a list of tensors, an optional mask, a keyword-only scale."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.mix = nn.Linear(8, 8, bias=False)
+
+    def forward(self, x, extras, mask=None, *, scale=1.0):
+        y = self.fc(x) * scale
+        for e in extras:
+            y = y + self.mix(e).sum(dim=1, keepdim=True)
+        return y if mask is None else y * mask
+
+
+def test_nested_and_keyword_inputs_bind_by_name_in_any_layout():
+    model = Keyworded()
+    x, extras, mask = torch.randn(2, 5, 8), [torch.randn(2, 3, 8), torch.randn(2, 7, 8)], torch.ones(2, 5, 1)
+    dims = {"x": {1: "seq"}, "extras_0": {1: "a"}, "extras_1": {1: "b"}, "mask": {1: "seq"}}
+    wrapper = fxflops.instrument(model, dims=dims, on_miss="raise")
+    wrapper(x, extras, mask, scale=2.0)
+    x2, extras2, mask2 = torch.randn(2, 9, 8), [torch.randn(2, 4, 8), torch.randn(2, 1, 8)], torch.ones(2, 9, 1)
+    expected = reference_counts(model, x2, extras2, mask2)[""]
+    for call in (
+        lambda: wrapper(x2, extras2, mask2, scale=0.5),
+        lambda: wrapper(x2, extras=extras2, mask=mask2),
+        lambda: wrapper(mask=mask2, extras=extras2, x=x2),
+    ):
+        wrapper.flops.reset()
+        call()
+        assert wrapper.flops.total() == expected
+    assert wrapper.captures == 1
+    assert [str(s) for s in wrapper.program.symbols] == ["a", "b", "seq"]
+    with pytest.raises(fxflops.InputError, match="'mask' dim 1 is 4.*= seq"):
+        wrapper.program.count(x2, extras2, torch.ones(2, 4, 1))
+
+
+def test_reserved_symbol_names_are_refused():
+    with pytest.raises(fxflops.InputError, match="phase"):
+        fxflops.trace(Branchy(), (torch.randn(2, 40, 16),), dims={"x": {1: "phase"}})
