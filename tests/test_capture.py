@@ -271,3 +271,42 @@ def test_nested_and_keyword_inputs_bind_by_name_in_any_layout():
 def test_reserved_symbol_names_are_refused():
     with pytest.raises(fxflops.InputError, match="phase"):
         fxflops.trace(Branchy(), (torch.randn(2, 40, 16),), dims={"x": {1: "phase"}})
+
+
+@torch.library.custom_op("fxflops_test::scaled_matmul", mutates_args=())
+def scaled_matmul(a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
+    return (a @ b) * scale
+
+
+@scaled_matmul.register_fake
+def _(a, b, scale):
+    return a.new_empty(a.shape[0], b.shape[1])
+
+
+def test_custom_op_is_unsupported_until_a_rule_is_registered():
+    class UsesCustomOp(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(12, 20))
+
+        def forward(self, x):
+            return scaled_matmul(x, self.w, 0.5)
+
+    model, x = UsesCustomOp(), torch.randn(7, 12)
+    with pytest.warns(UserWarning, match="fxflops_test.scaled_matmul"):
+        before = fxflops.trace(model, (x,), dims={"x": {0: "rows"}})
+    assert [u.op for u in before.unsupported] == ["fxflops_test.scaled_matmul.default"]
+
+    from fxflops.rules.registry import _RULES
+
+    @fxflops.rules.register(torch.ops.fxflops_test.scaled_matmul)
+    def scaled_matmul_flops(a, b, scale, out_shape=None):
+        """(m,k)@(k,n) then a scale: 2·m·k·n (the scale is elementwise, not counted)."""
+        return 2 * a[0] * a[1] * b[1]
+
+    try:
+        after = fxflops.trace(model, (x,), dims={"x": {0: "rows"}})
+        assert not after.unsupported
+        assert after.total(rows=30) == 2 * 30 * 12 * 20
+    finally:
+        del _RULES[torch.ops.fxflops_test.scaled_matmul]
