@@ -6,6 +6,13 @@ binder reads each free symbol from the first dimension that *is* that symbol and
 dimension against its expression, so a call whose shapes the trace does not describe is refused with
 the input and dimension named. Only shapes are read: no tensor data, no device sync.
 
+Segment power sums pₖ = Σᵢ sᵢᵏ come from the metadata input their family was built from (see
+``capture/segments.py``): for a tensor on the CPU from its values in Python (no device involved); for a
+tensor on an accelerator (or the meta device) with tensor ops on that device, giving 0-d tensors that
+the Meter accumulates there, so binding never waits for the device. Metadata on the host is always
+validated (offsets start at 0 and never decrease, segments fit in the packed length); on a device
+only with ``strict_metadata`` (reading the result is a sync).
+
 For speed the reading and checking is compiled to one small Python function per call layout (which
 arguments come positionally, which by keyword); the general path through ``inspect`` runs once per
 layout.
@@ -18,9 +25,11 @@ from collections.abc import Callable
 from typing import Any
 
 import sympy
+import torch
 from torch.utils._sympy.printers import PythonPrinter
 
 from fxflops.capture.inputs import Path, bind_call, path_label
+from fxflops.capture.segments import ELEMENT, Family, column
 from fxflops.errors import InputError
 
 _PRINTER = PythonPrinter()
@@ -44,11 +53,15 @@ class Binder:
         forward: Callable[..., Any],
         dim_exprs: dict[Path, tuple[sympy.Expr, ...]],
         symbols: tuple[sympy.Symbol, ...],
+        stats: dict[sympy.Symbol, tuple[Family, int]] | None = None,
+        strict_metadata: bool = False,
     ) -> None:
         self._signature = inspect.signature(forward)
         self._forward = forward
         self.dim_exprs = dim_exprs
         self.symbols = symbols
+        self.stats = stats or {}
+        self.strict_metadata = strict_metadata
         self._by_layout: dict[tuple, Callable[[tuple, dict], tuple[int, ...]]] = {}
 
     def values(self, args: tuple, kwargs: dict) -> tuple[int, ...]:
@@ -64,6 +77,52 @@ class Binder:
         head, rest = path[0], path[1:]
         code = positions[head]
         return code + "".join(f"[{step!r}]" for step in rest)
+
+    def _stat_lines(self, positions: dict[str, str], var: dict[sympy.Symbol, str]) -> list[str]:
+        """Code computing every segment power sum, family by family (see the module docstring)."""
+        lines: list[str] = []
+        by_family: dict[str, list[tuple[sympy.Symbol, int]]] = {}
+        families: dict[str, Family] = {}
+        for sym, (family, k) in self.stats.items():
+            by_family.setdefault(family.name, []).append((sym, k))
+            families[family.name] = family
+        for f, (name, wanted) in enumerate(sorted(by_family.items())):
+            family = families[name]
+            source = family.source
+            if source[0] not in positions:
+                raise InputError(f"the call lacks input {path_label(source)!r} that segment family {name!r} is built from")
+            values, weights = family.lengths.values, family.lengths.weights
+            host_names = {ELEMENT: "_x"} | {column(j): f"_x[{j}]" for j in range(64)}
+            device_names = {ELEMENT: f"_m{f}"} | {column(j): f"_m{f}[:, {j}]" for j in range(64)}
+            packed = [python_source(p, var) for p in sorted(family.packed, key=str)]
+            label = path_label(source)
+            lines.append(f"    _m{f} = {self._accessor(source, positions)}")
+            lines.append(f"    if _m{f}.device.type == 'cpu':")
+            lines.append(f"        _rows = _m{f}.tolist()")
+            if values.diff:
+                lines.append(f"        _check_offsets({label!r}, _rows, ({', '.join(packed)},))")
+                lines.append("        _rows = [_b - _a for _a, _b in zip(_rows, _rows[1:])]")
+            v_host = python_source(values.expr, host_names)
+            w_host = "1" if weights is None else python_source(weights.expr, host_names)
+            lines.append(f"        _pairs = [({v_host}, {w_host}) for _x in _rows]")
+            if not values.diff:
+                lines.append(f"        _check_lengths({label!r}, _pairs, ({', '.join(packed)},))")
+            for sym, k in wanted:
+                lines.append(f"        {var[sym]} = sum(_w * _v ** {k} for _v, _w in _pairs)")
+            lines.append("    else:")
+            if values.diff:
+                lines.append(f"        _m{f} = _m{f}.long()")
+                lines.append(f"        _v = _m{f}[1:] - _m{f}[:-1]")
+                lines.append("        _w = 1")
+            else:
+                lines.append(f"        _m{f} = _m{f}.long()")
+                lines.append(f"        _v = {python_source(values.expr, device_names)}")
+                lines.append(f"        _w = {'1' if weights is None else python_source(weights.expr, device_names)}")
+            if self.strict_metadata:
+                lines.append(f"        _check_device({label!r}, _m{f}, _v, _w, {values.diff}, ({', '.join(packed)},))")
+            for sym, k in wanted:
+                lines.append(f"        {var[sym]} = (_w * _v ** {k}).sum()")
+        return lines
 
     def _compile(self, args: tuple, kwargs: dict) -> Callable[[tuple, dict], tuple[int, ...]]:
         """Generate the reader for calls laid out like this one."""
@@ -90,14 +149,19 @@ class Binder:
                     checks.append(
                         f"    if t{j}[{d}] != {want}: _fail({label!r}, {d}, {str(expr)!r}, t{j}[{d}])"
                     )
-        unread = [str(s) for s in self.symbols if s not in reads]
+        unread = [str(s) for s in self.symbols if s not in reads and s not in self.stats]
         if unread:
             raise InputError(f"no input dimension carries symbol(s) {unread}")
-        # all reads first (shape lookups), then the checks that may use any symbol
-        body = lines + checks
+        # all reads first (shape lookups), then the checks that may use any symbol, then segments
+        body = lines + checks + self._stat_lines(positions, var)
         body.append(f"    return ({', '.join(var[s] for s in self.symbols)}{',' if self.symbols else ''})")
         source = "def read(args, kwargs):\n" + "\n".join(body) + "\n"
-        scope: dict[str, Any] = {"_fail": _fail}
+        scope: dict[str, Any] = {
+            "_fail": _fail,
+            "_check_offsets": _check_offsets,
+            "_check_lengths": _check_lengths,
+            "_check_device": _check_device,
+        }
         exec(compile(source, "<fxflops binder>", "exec"), scope)  # noqa: S102 - our own generated code
         return scope["read"]
 
@@ -118,6 +182,48 @@ class Binder:
         for key in kwargs:
             positions[key] = f"kwargs[{key!r}]"
         return {name: code for name, code in positions.items() if name in named}
+
+
+def _check_offsets(label: str, offsets: list[int], packed: tuple[int, ...]) -> None:
+    """Host check of a cumulative-offsets input: starts at 0, never decreases, fits every packed dim."""
+    if not offsets or offsets[0] != 0:
+        raise InputError(f"segment offsets {label!r} must start at 0, got {offsets[:4]}...")
+    drops = [i for i in range(1, len(offsets)) if offsets[i] < offsets[i - 1]]
+    if drops:
+        i = drops[0]
+        raise InputError(
+            f"segment offsets {label!r} decrease at index {i} ({offsets[i - 1]} -> {offsets[i]}); "
+            "cumulative offsets must be non-decreasing"
+        )
+    for total in packed:
+        if offsets[-1] > total:
+            raise InputError(f"segment offsets {label!r} end at {offsets[-1]}, past the packed length {total}")
+
+
+def _check_lengths(label: str, pairs: list[tuple[int, int]], packed: tuple[int, ...]) -> None:
+    """Host check of lengths built from metadata rows (e.g. grid_thw): nonnegative, fit the packed dim."""
+    bad = [i for i, (v, w) in enumerate(pairs) if v < 0 or w < 0]
+    if bad:
+        raise InputError(f"metadata {label!r} row {bad[0]} gives a negative segment length or count: {pairs[bad[0]]}")
+    covered = sum(v * w for v, w in pairs)
+    for total in packed:
+        if covered > total:
+            raise InputError(
+                f"metadata {label!r} describes segments totalling {covered}, more than the packed length {total} "
+                "of the tensor it cuts"
+            )
+
+
+def _check_device(label: str, source: Any, values: Any, weights: Any, is_offsets: bool, packed: tuple[int, ...]) -> None:
+    """The same checks with tensor ops on the metadata's device (each ``bool()`` is a host sync)."""
+    if is_offsets and bool(source[0] != 0):
+        raise InputError(f"segment offsets {label!r} must start at 0")
+    if bool((values < 0).any()) or bool((torch.as_tensor(weights) < 0).any()):
+        raise InputError(f"metadata {label!r} gives a negative segment length (offsets decreasing?)")
+    covered = (values * weights).sum()
+    for total in packed:
+        if bool(covered > total):
+            raise InputError(f"metadata {label!r} describes segments past the packed length {total}")
 
 
 def _fail(label: str, dim: int | None, expected: Any, actual: Any) -> None:

@@ -26,9 +26,11 @@ import sympy
 import torch
 
 from fxflops.binder import Binder, python_source
+from fxflops.capture.inputs import path_label
+from fxflops.capture.segments import Family, SegmentAnalysis
 from fxflops.capture.trace import Captured, Guard
 from fxflops.errors import CaptureError, GuardError, UnboundSymbolError
-from fxflops.rules import rule_for
+from fxflops.rules import rule_for, segment_args
 from fxflops.rules.not_counted import is_not_counted, touches_floats
 
 PHASES = ("fwd", "bwd", "recompute")
@@ -87,9 +89,26 @@ def _tensor_values(value: Any) -> Any:
     return value
 
 
-def terms_of(captured: Captured, phase: str = "fwd") -> tuple[list[Term], list[Unsupported]]:
+def _with_segments(node: torch.fx.Node, args: list, kwargs: dict, segments: SegmentAnalysis) -> None:
+    """Replace the offsets arguments of a varlen op (``segment_args``) by their segment families."""
+    op = node.target
+    names = [a.name for a in op._schema.arguments] if hasattr(op, "_schema") else []
+    where = f"{op} in module {module_path(node) or '<root>'!r}"
+    for spec in segment_args(op):
+        index = spec if isinstance(spec, int) else names.index(spec)
+        if index < len(node.args):
+            if node.args[index] is not None:
+                args[index] = segments.lengths_of(node.args[index], where)
+        elif index < len(names) and node.kwargs.get(names[index]) is not None:
+            kwargs[names[index]] = segments.lengths_of(node.kwargs[names[index]], where)
+
+
+def terms_of(
+    captured: Captured, segments: SegmentAnalysis, phase: str = "fwd"
+) -> tuple[list[Term], list[Unsupported]]:
     """Apply the rule of every op node in the captured graph (see module docstring)."""
     terms, unsupported = [], []
+    known = set(captured.symbols.values())
     for node in captured.graph_module.graph.nodes:
         if node.op != "call_function" or node.target is operator.getitem:
             continue
@@ -107,12 +126,18 @@ def terms_of(captured: Captured, phase: str = "fwd") -> tuple[list[Term], list[U
         args = [_as_rule_argument(a, captured.named) for a in node.args]
         kwargs = {k: _as_rule_argument(v, captured.named) for k, v in node.kwargs.items()}
         out_shape = _as_rule_argument(node.meta.get("val"), captured.named)
+        where = f"{op} in module {module_path(node) or '<root>'!r}"
         try:
+            _with_segments(node, args, kwargs, segments)
             flops = sympy.expand(sympy.sympify(rule(*args, out_shape=out_shape, **kwargs)))
-        except Exception as exc:  # a rule refusing its input (e.g. varlen offsets) names itself
+        except Exception as exc:  # a rule refusing its input (e.g. paged attention) names itself
+            raise CaptureError(f"FLOPs rule for {where} failed: {exc}") from exc
+        unknown = flops.free_symbols - known - segments.symbols()
+        if unknown:
             raise CaptureError(
-                f"FLOPs rule for {op} in module {module_path(node) or '<root>'!r} failed: {exc}"
-            ) from exc
+                f"the FLOPs of {where} depend on data-dependent size(s) {sorted(map(str, unknown))} "
+                "that no input shape or segment family gives"
+            )
         if flops != 0:
             terms.append(Term(node.name, str(op), module_path(node), phase, flops))
     return terms, unsupported
@@ -131,9 +156,10 @@ def _ancestors(path: str) -> list[str]:
 class Program:
     """Exact FLOPs polynomials of one traced model (one capture, one set of guards).
 
-    Attributes: ``symbols`` (free sympy symbols, sorted by name), ``terms`` (per node),
-    ``unsupported`` (ops with no rule), ``guards`` (conditions the polynomials need),
-    ``tree`` (networkx DiGraph of module paths).
+    Attributes: ``symbols`` (free sympy symbols, sorted by name: input dims and segment power sums
+    ``<family>_p<k>``), ``families`` (segment families, see :meth:`describe_symbols`), ``terms`` (per
+    node), ``unsupported`` (ops with no rule), ``guards`` (conditions the polynomials need), ``tree``
+    (networkx DiGraph of module paths).
     """
 
     def __init__(
@@ -144,8 +170,10 @@ class Program:
         guards: list[Guard],
         module_paths: Iterable[str],
         binder: Binder,
+        families: list[Family] = (),
     ) -> None:
         self.terms = terms
+        self.families = list(families)
         self.unsupported = unsupported
         self.symbols = tuple(sorted(symbols, key=str))
         self.guards = guards
@@ -157,8 +185,21 @@ class Program:
         self._compile()
 
     @classmethod
-    def from_capture(cls, captured: Captured, model: torch.nn.Module) -> Program:
-        terms, unsupported = terms_of(captured)
+    def from_capture(
+        cls,
+        captured: Captured,
+        model: torch.nn.Module,
+        segments: dict[str, str] | None = None,
+        strict_metadata: bool = False,
+    ) -> Program:
+        """Rules applied to a capture. ``segments`` names segment families by input label
+        (``{"cu_seqlens": "text"}``); ``strict_metadata`` also validates device metadata (a sync)."""
+        graph = captured.graph_module.graph
+        placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+        analysis = SegmentAnalysis(graph, dict(zip(placeholders, captured.placeholder_paths)), segments or {})
+        terms, unsupported = terms_of(captured, analysis)
+        if captured.assumptions() != captured.assumptions_at_capture:
+            raise CaptureError("internal error: the FLOPs analysis added a guard on the traced sizes; please report")
         for op in sorted({u.op for u in unsupported}):
             where = sorted({u.module or "<root>" for u in unsupported if u.op == op})
             warnings.warn(
@@ -166,15 +207,12 @@ class Program:
                 "and program.unsupported lists it. Register one with fxflops.rules.register.",
                 stacklevel=3,
             )
-        binder = Binder(model.forward, captured.input_dims, tuple(sorted(captured.symbols.values(), key=str)))
-        return cls(
-            terms,
-            unsupported,
-            captured.symbols.values(),
-            captured.guards,
-            (name for name, _ in model.named_modules()),
-            binder,
-        )
+        by_name = {f.name: f for f in analysis.families.values()}
+        stats = {by_name[name].power_sum(k): (by_name[name], k) for name, k in analysis.requested}
+        symbols = tuple(sorted([*captured.symbols.values(), *stats], key=str))
+        binder = Binder(model.forward, captured.input_dims, symbols, stats, strict_metadata)
+        families = sorted({family.name: family for family, _ in stats.values()}.values(), key=lambda f: f.name)
+        return cls(terms, unsupported, symbols, captured.guards, (n for n, _ in model.named_modules()), binder, families)
 
     # ---- compilation to the monomial basis -------------------------------------------------
     def _compile(self) -> None:
@@ -266,6 +304,21 @@ class Program:
         if not self.within_guards(*values):
             raise GuardError(self.explain_guard_failure(values))
         return self.evaluate(self.monomials(*values))
+
+    def describe_symbols(self) -> dict[str, str]:
+        """What each symbol means: an input dimension or a segment power sum."""
+        meaning = {}
+        for path, exprs in self.binder.dim_exprs.items():
+            for d, expr in enumerate(exprs):
+                if isinstance(expr, sympy.Symbol) and str(expr) not in meaning:
+                    meaning[str(expr)] = f"dim {d} of input {path_label(path)}"
+        for family in self.families:
+            for sym in self.symbols:
+                name = str(sym)
+                if name.startswith(family.name + "_p") and name[len(family.name) + 2 :].isdigit():
+                    k = name[len(family.name) + 2 :]
+                    meaning[name] = f"Σᵢ sᵢ^{k} over {family.describe()}"
+        return {str(s): meaning.get(str(s), "") for s in self.symbols}
 
     # ---- reporting -----------------------------------------------------------------------------
     def to_json(self) -> str:

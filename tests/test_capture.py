@@ -297,8 +297,6 @@ def test_custom_op_is_unsupported_until_a_rule_is_registered():
         before = fxflops.trace(model, (x,), dims={"x": {0: "rows"}})
     assert [u.op for u in before.unsupported] == ["fxflops_test.scaled_matmul.default"]
 
-    from fxflops.rules.registry import _RULES
-
     @fxflops.rules.register(torch.ops.fxflops_test.scaled_matmul)
     def scaled_matmul_flops(a, b, scale, out_shape=None):
         """(m,k)@(k,n) then a scale: 2·m·k·n (the scale is elementwise, not counted)."""
@@ -309,4 +307,4 @@ def test_custom_op_is_unsupported_until_a_rule_is_registered():
         assert not after.unsupported
         assert after.total(rows=30) == 2 * 30 * 12 * 20
     finally:
-        del _RULES[torch.ops.fxflops_test.scaled_matmul]
+        fxflops.rules.unregister(torch.ops.fxflops_test.scaled_matmul)

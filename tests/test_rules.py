@@ -27,7 +27,8 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode, flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
-from fxflops.rules import registered_ops, rule_for, shape_of
+from fxflops.capture.segments import ELEMENT, Family, Lengths, Rows, SegmentLengths
+from fxflops.rules import registered_ops, rule_for, segment_args, shape_of
 
 aten = torch.ops.aten
 RULE_MODULES = {"fxflops.rules.matmul", "fxflops.rules.conv", "fxflops.rules.attention"}
@@ -738,11 +739,20 @@ def varlen_attention_calls() -> list[Call]:
 
 
 @pytest.mark.parametrize("call", varlen_attention_calls(), ids=lambda c: str(c.op))
-def test_varlen_attention_raises_clear_error(call):
-    """Packed varlen attention costs Σ Sq_i·Sk_i, which only the offsets' data tells: the rule refuses
-    (FlopCounterMode reads the offsets with .tolist(), or assumes max length on fake tensors)."""
-    with pytest.raises(ValueError, match="segment metadata"):
-        rule_flops(call)
+def test_varlen_attention_counts_per_segment(call):
+    """Packed varlen attention costs 2·Hq·(Dqk + Dv)·Σᵢ sᵢ² forward (2·Hq·(3·Dqk + 2·Dv)·Σᵢ sᵢ²
+    backward): the rule receives the offsets' segment family and returns a multiple of its p₂.
+    Reference: the per-segment dense formula summed by brute force over offsets [0, 5, 11].
+    (FlopCounterMode reads the offsets with .tolist(), a host sync, or assumes max length on fakes.)"""
+    family = Family(Lengths(Rows(("cu",), ELEMENT, diff=True)), "cu")
+    lengths = SegmentLengths(family, set())
+    positions = segment_args(call.op)
+    args = [lengths if i in positions else a for i, a in enumerate(shape_of(call.args))]
+    flops = rule_for(call.op)(*args, out_shape=shape_of(call.result), **shape_of(call.kwargs))
+    heads, dim = 4, 8
+    per_pair = 2 * heads * (dim + dim) if "backward" not in str(call.op) else 2 * heads * (3 * dim + 2 * dim)
+    brute_force = sum(per_pair * s * s for s in (5, 6))
+    assert flops.subs(family.power_sum(2), 5**2 + 6**2) == brute_force
 
 
 def test_paged_flash_attention_raises_clear_error():
@@ -750,7 +760,7 @@ def test_paged_flash_attention_raises_clear_error():
     q, k, v = AttentionShape(2, 4, 4, 6, 5, 8, 8).heads_first(make=meta)
     call = Call(aten._flash_attention_forward.default, (q, k, v, None, None, 6, 5, 0.0, False, False),
                 {"block_table": meta(2, 3, dtype=torch.int32)}, (q,))
-    with pytest.raises(ValueError, match="segment metadata"):
+    with pytest.raises(ValueError, match="page table"):
         rule_flops(call)
 
 

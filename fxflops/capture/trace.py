@@ -56,7 +56,13 @@ class Captured:
     dim_specs: list[DimSpec]
     guards: list[Guard]
     input_dims: dict[Path, tuple[sympy.Expr, ...]]  # every tensor input's dims, in public symbols
+    placeholder_paths: list[Path]  # the input path of each tensor placeholder, in graph order
     pinned: dict[str, sympy.Expr] = field(default_factory=dict)  # auto dims the code fixed
+    assumptions_at_capture: tuple[int, int] = (0, 0)
+
+    def assumptions(self) -> tuple[int, int]:
+        """(guards, replacements) in the ShapeEnv: must not grow after capture, or sizes specialised."""
+        return len(self.shape_env.guards), len(self.shape_env.replacements)
 
     def named(self, expr: Any) -> sympy.Expr:
         """A ShapeEnv expression (SymInt or sympy) in the public symbols, replacements applied."""
@@ -193,7 +199,8 @@ def capture(
 
     pinned = _check_free(env, env_syms, strict=dims is not None and not allow_pins)
     env_to_named = {sym: named_symbol(name) for name, sym in env_syms.items()}
-    captured = Captured(gm, env, {}, env_to_named, specs, [], {}, pinned)
+    path_of = {id(tensor): path for path, tensor in tensors.items()}
+    captured = Captured(gm, env, {}, env_to_named, specs, [], {}, [path_of[id(leaves[i])] for i in slots], pinned)
     captured.symbols = {name: named_symbol(name) for name in env_syms if name not in pinned}
     captured.input_dims = {
         path: tuple(captured.named(size) for size in fake.shape) for path, fake in fakes.items()
@@ -202,4 +209,5 @@ def capture(
         expr = captured.named(guard.expr)
         if expr is not sympy.true:
             captured.guards.append(Guard(expr, format_location(guard.sloc.framework_loc)))
+    captured.assumptions_at_capture = captured.assumptions()
     return captured

@@ -3,7 +3,7 @@
 Importing this package registers every built-in rule.
 """
 
-from fxflops.rules import attention, conv, matmul  # noqa: F401  (registration side effect)
-from fxflops.rules.registry import register, registered_ops, rule_for, shape_of
+from fxflops.rules import attention, conv, matmul, varlen  # noqa: F401  (registration side effect)
+from fxflops.rules.registry import register, registered_ops, rule_for, segment_args, shape_of, unregister
 
-__all__ = ["register", "registered_ops", "rule_for", "shape_of"]
+__all__ = ["register", "registered_ops", "rule_for", "segment_args", "shape_of", "unregister"]

@@ -20,14 +20,9 @@ from __future__ import annotations
 import torch
 
 from fxflops.rules.registry import register
+from fxflops.rules.varlen import varlen_backward_flops, varlen_forward_flops
 
 aten = torch.ops.aten
-
-_VARLEN_MESSAGE = (
-    "{op}: variable-length (packed varlen or paged) attention costs Σ Sq_i·Sk_i over per-sequence "
-    "lengths held in the data of {offsets}, which tensor shapes do not carry. Counting it needs "
-    "segment metadata, which is not supported yet."
-)
 
 
 def _attention_forward_flops(batch, q_heads, q_len, kv_len, qk_dim, v_dim):
@@ -52,10 +47,13 @@ def _sequence_first(flops, query, key, value):
     return flops(batch, q_heads, q_len, key[1], qk_dim, value[3])
 
 
-def _reject_varlen(op_name, offsets_name, *offsets):
-    """Raise ``ValueError`` when any offsets/page-table tensor is present (lengths live in its data)."""
-    if any(offset is not None for offset in offsets):
-        raise ValueError(_VARLEN_MESSAGE.format(op=op_name, offsets=offsets_name))
+def _reject_paged(op_name, block_table):
+    """Raise ``ValueError`` for a paged KV cache: its work depends on a page table held in data."""
+    if block_table is not None:
+        raise ValueError(
+            f"{op_name}: paged attention (block_table) costs what its page table's data says, which "
+            "tensor shapes do not carry; fxflops does not count it"
+        )
 
 
 @register(
@@ -95,55 +93,60 @@ def sdpa_efficient_backward(grad_out_, query, key, value, *args, out_shape=None,
     return _heads_first(_attention_backward_flops, query, key, value)
 
 
-@register(aten._flash_attention_forward)
+@register(aten._flash_attention_forward, segments=(3, 4))
 def flash_attention_forward(query, key, value, cum_seq_q, cum_seq_k, *args, out_shape=None, **kwargs):
-    """Raw flash forward, dense (B,S,H,D) inputs: 2·B·Hq·Sq·Sk·(Dqk + Dv).
+    """Raw flash forward: dense (B,S,H,D) inputs 2·B·Hq·Sq·Sk·(Dqk + Dv); packed varlen inputs
+    ((total, H, D) with offsets ``cum_seq_q``/``cum_seq_k``) 2·Hq·(Dqk + Dv)·Σᵢ sq_i·sk_i.
 
-    Packed varlen inputs (``cum_seq_q``/``cum_seq_k``) and a paged KV cache (``block_table``) raise
-    ``ValueError``: their work depends on offsets that shapes do not carry. ``seqused_k`` is not read
-    (Sk is then an upper bound). Source: torch/utils/flop_counter.py ``_flash_attention_forward_flop``,
-    which reads dense (B,S,H,D) inputs as (B,H,S,D); flash-attention ``flash_attn_func`` docs give the
-    (batch, seqlen, nheads, headdim) layout.
+    A paged KV cache (``block_table``) raises ``ValueError``: its work depends on a page table that
+    shapes do not carry. ``seqused_k`` is not read (Sk is then an upper bound). Source:
+    torch/utils/flop_counter.py ``_flash_attention_forward_flop``, which reads dense (B,S,H,D) inputs
+    as (B,H,S,D); flash-attention ``flash_attn_func`` docs give the (batch, seqlen, nheads, headdim)
+    layout.
     """
-    _reject_varlen("_flash_attention_forward", "cum_seq_q/cum_seq_k", cum_seq_q, cum_seq_k)
-    _reject_varlen("_flash_attention_forward", "block_table", kwargs.get("block_table"))
+    _reject_paged("_flash_attention_forward", kwargs.get("block_table"))
+    if cum_seq_q is not None:
+        return varlen_forward_flops(query, key, value, cum_seq_q, cum_seq_k)
     return _sequence_first(_attention_forward_flops, query, key, value)
 
 
-@register(aten._flash_attention_backward)
+@register(aten._flash_attention_backward, segments=(6, 7))
 def flash_attention_backward(
     grad_out, query, key, value, forward_out, logsumexp, cum_seq_q, cum_seq_k, *args, out_shape=None, **kwargs,
 ):
-    """Raw flash backward, dense (B,S,H,D) inputs: 2·B·Hq·Sq·Sk·(3·Dqk + 2·Dv); varlen raises ValueError.
+    """Raw flash backward: dense (B,S,H,D) 2·B·Hq·Sq·Sk·(3·Dqk + 2·Dv); varlen 2·Hq·(3·Dqk + 2·Dv)·Σ sq·sk.
 
     Source: torch/utils/flop_counter.py ``_flash_attention_backward_flop`` (same (B,S,H,D) misreading).
     """
-    _reject_varlen("_flash_attention_backward", "cum_seq_q/cum_seq_k", cum_seq_q, cum_seq_k)
+    if cum_seq_q is not None:
+        return varlen_backward_flops(query, key, value, cum_seq_q, cum_seq_k)
     return _sequence_first(_attention_backward_flops, query, key, value)
 
 
-@register(aten._efficient_attention_forward)
+@register(aten._efficient_attention_forward, segments=(4, 5))
 def efficient_attention_forward(query, key, value, bias, cu_seqlens_q, cu_seqlens_k, *args, out_shape=None, **kwargs):
-    """Raw memory-efficient forward, dense (B,S,H,D) inputs: 2·B·Hq·Sq·Sk·(Dqk + Dv).
+    """Raw memory-efficient forward: dense (B,S,H,D) 2·B·Hq·Sq·Sk·(Dqk + Dv); packed varlen inputs
+    ((1, total, H, D) with ``cu_seqlens_q``/``cu_seqlens_k``) 2·Hq·(Dqk + Dv)·Σᵢ sq_i·sk_i.
 
-    Packed varlen inputs (``cu_seqlens_q``/``cu_seqlens_k``) raise ``ValueError``; ``seqlen_k`` is not
-    read (Sk is then an upper bound). Source: torch/utils/flop_counter.py
+    ``seqlen_k`` is not read (Sk is then an upper bound). Source: torch/utils/flop_counter.py
     ``_efficient_attention_forward_flop`` (reads (B,S,H,D) as (B,H,S,D)); xformers
     ``memory_efficient_attention`` docs give the [B, M, H, K] layout.
     """
-    _reject_varlen("_efficient_attention_forward", "cu_seqlens_q/cu_seqlens_k", cu_seqlens_q, cu_seqlens_k)
+    if cu_seqlens_q is not None:
+        return varlen_forward_flops(query, key, value, cu_seqlens_q, cu_seqlens_k)
     return _sequence_first(_attention_forward_flops, query, key, value)
 
 
-@register(aten._efficient_attention_backward)
+@register(aten._efficient_attention_backward, segments=(6, 7))
 def efficient_attention_backward(
     grad_out_, query, key, value, bias, forward_out, cu_seqlens_q, cu_seqlens_k, *args, out_shape=None, **kwargs,
 ):
-    """Raw memory-efficient backward, dense (B,S,H,D): 2·B·Hq·Sq·Sk·(3·Dqk + 2·Dv); varlen raises.
+    """Raw memory-efficient backward: dense 2·B·Hq·Sq·Sk·(3·Dqk + 2·Dv); varlen 2·Hq·(3·Dqk + 2·Dv)·Σ sq·sk.
 
     Source: torch/utils/flop_counter.py ``_efficient_attention_backward_flop``.
     """
-    _reject_varlen("_efficient_attention_backward", "cu_seqlens_q/cu_seqlens_k", cu_seqlens_q, cu_seqlens_k)
+    if cu_seqlens_q is not None:
+        return varlen_backward_flops(query, key, value, cu_seqlens_q, cu_seqlens_k)
     return _sequence_first(_attention_backward_flops, query, key, value)
 
 

@@ -7,6 +7,11 @@ tuple of shapes for ops with several outputs, ``None`` where an output is not a 
 the ``out`` argument some backward schemas have). It returns the FLOPs as an ``int`` or a
 ``sympy.Expr``.
 
+Arguments that are cumulative segment offsets (``cu_seqlens``) carry their information in their data,
+not their shape: a rule registered with ``segments=(...)`` (positions or schema names of such
+arguments) receives there a :class:`~fxflops.capture.segments.SegmentLengths` instead of a shape, whose
+``power_sum(k)`` is the symbol pₖ = Σᵢ sᵢᵏ of that segment family.
+
 Rules only do arithmetic on the shapes, so the same function serves a concrete count (plain ints) and
 a symbolic one (sympy expressions in the traced size symbols). Convention: one multiply-add = 2 FLOPs.
 """
@@ -21,6 +26,7 @@ import torch
 Rule = Callable[..., Any]
 
 _RULES: dict[Any, Rule] = {}
+_SEGMENT_ARGS: dict[Any, tuple[int | str, ...]] = {}
 
 
 def _key(op: Any) -> Any:
@@ -28,26 +34,53 @@ def _key(op: Any) -> Any:
     return getattr(op, "overloadpacket", op)
 
 
-def register(*ops: Any) -> Callable[[Rule], Rule]:
+def _name_key(op: Any) -> str | None:
+    """``"namespace::name"`` of an op overload, for rules registered by name before the op exists."""
+    schema = getattr(op, "_schema", None)
+    return schema.name if schema is not None else None
+
+
+def register(*ops: Any, segments: tuple[int | str, ...] = ()) -> Callable[[Rule], Rule]:
     """Decorator registering ``rule`` for every op in ``ops``.
 
     ``ops`` may be ``OpOverloadPacket`` (``torch.ops.aten.mm``), ``OpOverload`` (``...mm.default``:
-    the rule then covers every overload of that packet) or any other callable target that appears in
-    an FX graph (a higher-order op such as ``flex_attention``). Registering again replaces the rule,
-    which is how users override a built-in rule or add one for their own custom op.
+    the rule then covers every overload of that packet), a ``"namespace::name"`` string (for an op of
+    a package that may not be imported yet, e.g. ``"flash_attn::_flash_attn_varlen_forward"``) or
+    any other callable target that appears in an FX graph (a higher-order op such as
+    ``flex_attention``). ``segments`` names the offsets arguments (see the module docstring).
+    Registering again replaces the rule, which is how users override a built-in rule or add one for
+    their own custom op.
     """
 
     def decorator(rule: Rule) -> Rule:
         for op in ops:
             _RULES[_key(op)] = rule
+            _SEGMENT_ARGS[_key(op)] = tuple(segments)
         return rule
 
     return decorator
 
 
+def unregister(*ops: Any) -> None:
+    """Remove the rules of ``ops`` (no error for an op without one)."""
+    for op in ops:
+        _RULES.pop(_key(op), None)
+        _SEGMENT_ARGS.pop(_key(op), None)
+
+
+def _lookup(table: dict[Any, Any], op: Any) -> Any:
+    found = table.get(_key(op))
+    return found if found is not None else table.get(_name_key(op))
+
+
 def rule_for(op: Any) -> Rule | None:
-    """The rule registered for ``op`` (or its overload packet), or ``None``."""
-    return _RULES.get(_key(op))
+    """The rule registered for ``op`` (its overload packet, or its ``namespace::name``), or ``None``."""
+    return _lookup(_RULES, op)
+
+
+def segment_args(op: Any) -> tuple[int | str, ...]:
+    """Positions or names of ``op``'s arguments that are segment offsets (empty for most ops)."""
+    return _lookup(_SEGMENT_ARGS, op) or ()
 
 
 def registered_ops() -> list[Any]:

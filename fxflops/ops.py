@@ -1,0 +1,102 @@
+"""``fxflops.ops.varlen_attention``: packed variable-length attention as a ``torch.library`` custom op.
+
+The layout is flash-attn's varlen API: ``q`` is ``(total_q, heads, head_dim)``, ``k`` and ``v`` are
+``(total_k, kv_heads, head_dim)`` with ``heads % kv_heads == 0`` (grouped-query attention), and
+``cu_seqlens_q``/``cu_seqlens_k`` are int32/int64 cumulative offsets ``[0, s₀, s₀+s₁, ...]`` of the
+packed sequences. Sequence i attends only within itself (``causal=True`` adds the causal mask,
+top-left aligned). Rows past ``cu_seqlens[-1]`` are padding: not attended, output zero.
+
+Model authors get one opaque op that traces in one piece with symbolic shapes (the fake kernel needs
+no data), and fxflops counts it as 2·Hq·(Dqk + Dv)·Σᵢ sq_i·sk_i from the segment power sums. The CPU
+kernel loops over the segments (a reference implementation, not a fast one).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def _segments(cu: torch.Tensor) -> list[tuple[int, int]]:
+    bounds = cu.tolist()
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
+    """One segment: (s, H, D) inputs -> (s, H, Dv), GQA by repeating the kv heads."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=causal
+    )
+    return out.transpose(0, 1)
+
+
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    torch._check(q.dim() == 3 and k.dim() == 3 and v.dim() == 3, lambda: "q, k, v must be (total, heads, dim)")
+    torch._check(q.shape[1] % k.shape[1] == 0, lambda: "heads must be a multiple of kv_heads")
+
+
+@torch.library.custom_op("fxflops::varlen_attention", mutates_args=())
+def varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    causal: bool = False,
+) -> torch.Tensor:
+    """Attention within each packed segment (see the module docstring)."""
+    _check(q, k, v)
+    out = q.new_zeros(q.shape[0], q.shape[1], v.shape[2])
+    for (q0, q1), (k0, k1) in zip(_segments(cu_seqlens_q), _segments(cu_seqlens_k)):
+        if q1 > q0 and k1 > k0:
+            out[q0:q1] = _attend(q[q0:q1], k[k0:k1], v[k0:k1], causal)
+    return out
+
+
+@varlen_attention.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=False):
+    _check(q, k, v)
+    return q.new_empty(q.shape[0], q.shape[1], v.shape[2])
+
+
+@torch.library.custom_op("fxflops::varlen_attention_backward", mutates_args=())
+def varlen_attention_backward(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    causal: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of :func:`varlen_attention` w.r.t. q, k, v (per segment, by autograd of the math)."""
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for (q0, q1), (k0, k1) in zip(_segments(cu_seqlens_q), _segments(cu_seqlens_k)):
+        if q1 > q0 and k1 > k0:
+            _, vjp = torch.func.vjp(
+                lambda a, b, c: _attend(a, b, c, causal), q[q0:q1], k[k0:k1], v[k0:k1]
+            )
+            dq[q0:q1], dk[k0:k1], dv[k0:k1] = vjp(grad_out[q0:q1])
+    return dq, dk, dv
+
+
+@varlen_attention_backward.register_fake
+def _(grad_out, q, k, v, cu_seqlens_q, cu_seqlens_k, causal=False):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    q, k, v, cu_q, cu_k, causal = inputs
+    ctx.save_for_backward(q, k, v, cu_q, cu_k)
+    ctx.causal = causal
+
+
+def _backward(ctx, grad_out):
+    q, k, v, cu_q, cu_k = ctx.saved_tensors
+    dq, dk, dv = varlen_attention_backward(grad_out, q, k, v, cu_q, cu_k, ctx.causal)
+    return dq, dk, dv, None, None, None
+
+
+varlen_attention.register_autograd(_backward, setup_context=_setup_context)
