@@ -17,6 +17,7 @@ from fxflops.errors import (
     FxFlopsError,
     GuardError,
     InputError,
+    MetadataError,
     PinnedSymbolError,
     UnboundSymbolError,
 )
@@ -31,6 +32,8 @@ def trace(
     kwargs: dict[str, Any] | None = None,
     *,
     dims: dict[str, dict[int, str]] | None = None,
+    segments: dict[str, str] | None = None,
+    strict_metadata: bool = False,
 ) -> Program:
     """Trace ``model(*args, **kwargs)`` once with symbolic sizes and return its FLOPs :class:`Program`.
 
@@ -39,10 +42,16 @@ def trace(
     symbol; every other dim is static. ``dims=None`` makes every dim of every tensor input free unless
     the model's code pins it, named ``<argument>_<dim>``. With explicit ``dims``, a symbol the code
     pins raises :class:`PinnedSymbolError` naming the line.
+
+    Segment families (packed sequences cut by ``cu_seqlens``, frames from ``image_grid_thw``) are found
+    automatically where offsets reach a varlen attention op; their power sums ``<family>_p<k>`` are
+    symbols. ``segments`` names them by the input they come from, e.g.
+    ``{"cu_seqlens": "text", "image_grid_thw": "frames"}``. ``strict_metadata`` also validates metadata
+    on accelerators (a host sync); metadata on the CPU is always validated.
     """
     if not isinstance(args, tuple):
         args = (args,)
-    return Program.from_capture(capture(model, args, kwargs, dims), model)
+    return Program.from_capture(capture(model, args, kwargs, dims), model, segments, strict_metadata)
 
 
 __all__ = [
@@ -52,6 +61,7 @@ __all__ = [
     "InputError",
     "Instrumented",
     "Meter",
+    "MetadataError",
     "PinnedSymbolError",
     "Program",
     "Term",

@@ -30,7 +30,7 @@ from torch.utils._sympy.printers import PythonPrinter
 
 from fxflops.capture.inputs import Path, bind_call, path_label
 from fxflops.capture.segments import ELEMENT, Family, column
-from fxflops.errors import InputError
+from fxflops.errors import InputError, MetadataError
 
 _PRINTER = PythonPrinter()
 
@@ -62,6 +62,9 @@ class Binder:
         self.symbols = symbols
         self.stats = stats or {}
         self.strict_metadata = strict_metadata
+        # CPU metadata is read on the host (no device involved). False computes it with tensor ops
+        # as on an accelerator: the same code path, so it can be checked on a CPU-only machine.
+        self.host_metadata = True
         self._by_layout: dict[tuple, Callable[[tuple, dict], tuple[int, ...]]] = {}
 
     def values(self, args: tuple, kwargs: dict) -> tuple[int, ...]:
@@ -97,7 +100,7 @@ class Binder:
             packed = [python_source(p, var) for p in sorted(family.packed, key=str)]
             label = path_label(source)
             lines.append(f"    _m{f} = {self._accessor(source, positions)}")
-            lines.append(f"    if _m{f}.device.type == 'cpu':")
+            lines.append(f"    if _m{f}.device.type == 'cpu' and _binder.host_metadata:")
             lines.append(f"        _rows = _m{f}.tolist()")
             if values.diff:
                 lines.append(f"        _check_offsets({label!r}, _rows, ({', '.join(packed)},))")
@@ -161,6 +164,7 @@ class Binder:
             "_check_offsets": _check_offsets,
             "_check_lengths": _check_lengths,
             "_check_device": _check_device,
+            "_binder": self,
         }
         exec(compile(source, "<fxflops binder>", "exec"), scope)  # noqa: S102 - our own generated code
         return scope["read"]
@@ -187,28 +191,28 @@ class Binder:
 def _check_offsets(label: str, offsets: list[int], packed: tuple[int, ...]) -> None:
     """Host check of a cumulative-offsets input: starts at 0, never decreases, fits every packed dim."""
     if not offsets or offsets[0] != 0:
-        raise InputError(f"segment offsets {label!r} must start at 0, got {offsets[:4]}...")
+        raise MetadataError(f"segment offsets {label!r} must start at 0, got {offsets[:4]}...")
     drops = [i for i in range(1, len(offsets)) if offsets[i] < offsets[i - 1]]
     if drops:
         i = drops[0]
-        raise InputError(
+        raise MetadataError(
             f"segment offsets {label!r} decrease at index {i} ({offsets[i - 1]} -> {offsets[i]}); "
             "cumulative offsets must be non-decreasing"
         )
     for total in packed:
         if offsets[-1] > total:
-            raise InputError(f"segment offsets {label!r} end at {offsets[-1]}, past the packed length {total}")
+            raise MetadataError(f"segment offsets {label!r} end at {offsets[-1]}, past the packed length {total}")
 
 
 def _check_lengths(label: str, pairs: list[tuple[int, int]], packed: tuple[int, ...]) -> None:
     """Host check of lengths built from metadata rows (e.g. grid_thw): nonnegative, fit the packed dim."""
     bad = [i for i, (v, w) in enumerate(pairs) if v < 0 or w < 0]
     if bad:
-        raise InputError(f"metadata {label!r} row {bad[0]} gives a negative segment length or count: {pairs[bad[0]]}")
+        raise MetadataError(f"metadata {label!r} row {bad[0]} gives a negative segment length or count: {pairs[bad[0]]}")
     covered = sum(v * w for v, w in pairs)
     for total in packed:
         if covered > total:
-            raise InputError(
+            raise MetadataError(
                 f"metadata {label!r} describes segments totalling {covered}, more than the packed length {total} "
                 "of the tensor it cuts"
             )
@@ -217,13 +221,13 @@ def _check_lengths(label: str, pairs: list[tuple[int, int]], packed: tuple[int, 
 def _check_device(label: str, source: Any, values: Any, weights: Any, is_offsets: bool, packed: tuple[int, ...]) -> None:
     """The same checks with tensor ops on the metadata's device (each ``bool()`` is a host sync)."""
     if is_offsets and bool(source[0] != 0):
-        raise InputError(f"segment offsets {label!r} must start at 0")
+        raise MetadataError(f"segment offsets {label!r} must start at 0")
     if bool((values < 0).any()) or bool((torch.as_tensor(weights) < 0).any()):
-        raise InputError(f"metadata {label!r} gives a negative segment length (offsets decreasing?)")
+        raise MetadataError(f"metadata {label!r} gives a negative segment length (offsets decreasing?)")
     covered = (values * weights).sum()
     for total in packed:
         if bool(covered > total):
-            raise InputError(f"metadata {label!r} describes segments past the packed length {total}")
+            raise MetadataError(f"metadata {label!r} describes segments past the packed length {total}")
 
 
 def _fail(label: str, dim: int | None, expected: Any, actual: Any) -> None:

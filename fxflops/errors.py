@@ -23,3 +23,8 @@ class GuardError(FxFlopsError):
 
 class InputError(FxFlopsError):
     """A call's inputs do not match what the program was captured with (missing tensor, wrong rank)."""
+
+
+class MetadataError(FxFlopsError):
+    """Segment metadata is malformed: offsets that decrease or overrun the packed length, a grid
+    inconsistent with the patches it describes. The message names the input."""

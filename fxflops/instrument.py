@@ -35,6 +35,8 @@ class Instrumented(torch.nn.Module):
         self,
         model: torch.nn.Module,
         dims: dict[str, dict[int, str]] | None,
+        segments: dict[str, str] | None,
+        strict_metadata: bool,
         on_miss: str,
         strict: bool,
         max_programs: int,
@@ -50,6 +52,8 @@ class Instrumented(torch.nn.Module):
         self.training = model.training
         object.__setattr__(self, "model", model)
         self.dims = dims
+        self.segments = segments
+        self.strict_metadata = strict_metadata
         self.on_miss = on_miss
         self.strict = strict
         self.max_programs = max_programs
@@ -113,7 +117,7 @@ class Instrumented(torch.nn.Module):
         except CaptureError as exc:
             self._failed[key] = str(exc)  # do not re-trace the same shapes on every call
             raise
-        program = Program.from_capture(captured, self.model)
+        program = Program.from_capture(captured, self.model, self.segments, self.strict_metadata)
         self.captures += 1
         self.programs.append(program)
         self.flops.add(program, program.monomials(*program.binder.values(args, kwargs)))
@@ -136,12 +140,15 @@ def instrument(
     model: torch.nn.Module,
     *,
     dims: dict[str, dict[int, str]] | None = None,
+    segments: dict[str, str] | None = None,
+    strict_metadata: bool = False,
     on_miss: str = "recapture",
     strict: bool = False,
     max_programs: int = 8,
 ) -> Instrumented:
     """Wrap ``model`` so every call adds its FLOPs to ``wrapper.flops`` (see module docstring).
 
-    ``dims`` as for :func:`fxflops.trace` (``None``: every input dim free unless the code pins it).
+    ``dims``, ``segments`` and ``strict_metadata`` as for :func:`fxflops.trace` (``dims=None``: every
+    input dim free unless the code pins it; segment families found automatically).
     """
-    return Instrumented(model, dims, on_miss, strict, max_programs)
+    return Instrumented(model, dims, segments, strict_metadata, on_miss, strict, max_programs)

@@ -262,7 +262,7 @@ class Program:
 
     def explain_guard_failure(self, ordered: tuple[int, ...]) -> str:
         """Which guard these values break, with the model line that made it."""
-        subs = dict(zip(self.symbols, ordered))
+        subs = {s: v for s, v in zip(self.symbols, ordered) if isinstance(v, int)}
         broken = [g for g in self.guards if not bool(g.expr.xreplace(subs))]
         shown = ", ".join(f"{s}={v}" for s, v in subs.items())
         return f"{shown} break the trace's guard(s): " + "; ".join(map(str, broken))

@@ -75,7 +75,9 @@ def resolve_dims(
 
     ``dims`` keys are argument names (or ``name_key`` labels of nested tensors), values map a
     dimension index (negative allowed) to a symbol name. Unknown names and out-of-range dims raise
-    :class:`InputError` listing what exists.
+    :class:`InputError` listing what exists. Metadata inputs that ``dims`` does not mention (integer
+    tensors of rank 1 or 2, such as ``cu_seqlens`` or ``image_grid_thw``) keep every dim free, named
+    ``<argument>_<dim>``: their sizes count sequences or images, which must never be pinned.
     """
     if dims is None:
         return [
@@ -84,7 +86,12 @@ def resolve_dims(
             for d in range(tensor.dim())
         ]
     by_label = {path_label(path): path for path in tensors}
-    specs = []
+    specs = [
+        DimSpec(f"{label}_{d}", path, d)
+        for label, path in by_label.items()
+        if label not in dims and is_metadata(tensors[path])
+        for d in range(tensors[path].dim())
+    ]
     for label, per_dim in dims.items():
         if label not in by_label:
             raise InputError(
@@ -102,6 +109,11 @@ def resolve_dims(
                 )
             specs.append(DimSpec(name, path, d % rank))
     return specs
+
+
+def is_metadata(tensor: torch.Tensor) -> bool:
+    """Integer tensors of rank 1 or 2: offsets, grids, lengths (the inputs segment families come from)."""
+    return tensor.dim() in (1, 2) and not (tensor.dtype.is_floating_point or tensor.dtype.is_complex or tensor.dtype == torch.bool)
 
 
 def fetch(named: dict[str, Any], path: Path) -> Any:

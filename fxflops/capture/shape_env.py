@@ -21,11 +21,14 @@ import fxflops
 _SKIPPED_DIRS = tuple(
     os.path.dirname(os.path.abspath(pkg.__file__)) + os.sep for pkg in (torch, fxflops)
 )
+_MODEL_DIR = os.path.join(os.path.dirname(os.path.abspath(fxflops.__file__)), "models") + os.sep
 
 
 def is_library_file(filename: str) -> bool:
-    """True for files of torch or fxflops (never the place a model pins a size)."""
-    return os.path.abspath(filename).startswith(_SKIPPED_DIRS) or filename.startswith("<")
+    """True for files of torch or fxflops (never the place a model pins a size), except fxflops' own
+    example models."""
+    path = os.path.abspath(filename)
+    return (path.startswith(_SKIPPED_DIRS) and not path.startswith(_MODEL_DIR)) or filename.startswith("<")
 
 
 class BlamingShapeEnv(ShapeEnv):
