@@ -21,6 +21,7 @@ layout.
 from __future__ import annotations
 
 import inspect
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -100,18 +101,30 @@ class Binder:
             packed = [python_source(p, var) for p in sorted(family.packed, key=str)]
             label = path_label(source)
             lines.append(f"    _m{f} = {self._accessor(source, positions)}")
-            lines.append(f"    if _m{f}.device.type == 'cpu' and _binder.host_metadata:")
-            lines.append(f"        _rows = _m{f}.tolist()")
-            if values.diff:
-                lines.append(f"        _check_offsets({label!r}, _rows, ({', '.join(packed)},))")
-                lines.append("        _rows = [_b - _a for _a, _b in zip(_rows, _rows[1:])]")
-            v_host = python_source(values.expr, host_names)
-            w_host = "1" if weights is None else python_source(weights.expr, host_names)
-            lines.append(f"        _pairs = [({v_host}, {w_host}) for _x in _rows]")
-            if not values.diff:
-                lines.append(f"        _check_lengths({label!r}, _pairs, ({', '.join(packed)},))")
+            lines.append(f"    if _m{f}.is_cpu and _binder.host_metadata:")
+            lines.append(f"        _r = _m{f}.tolist()")
+            bounds = f"({', '.join(packed)},)"
+            limit = f"min({bounds})" if packed else "float('inf')"
+            if values.diff:  # sorted() is one C call: offsets must be non-decreasing from 0
+                lines.append(f"        if not _r or _r[0] != 0 or _r[-1] > {limit} or _r != sorted(_r):")
+                lines.append(f"            _check_offsets({label!r}, _r, {bounds})")
+                lines.append("        _v = [_b - _a for _a, _b in zip(_r, _r[1:])]")
+            else:
+                lines.append(f"        _v = [{python_source(values.expr, host_names)} for _x in _r]")
+            if weights is None:
+                if not values.diff:
+                    lines.append(f"        if min(_v, default=0) < 0 or sum(_v) > {limit}:")
+                    lines.append(f"            _check_lengths({label!r}, [(_a, 1) for _a in _v], {bounds})")
+            else:
+                lines.append(f"        _w = [{python_source(weights.expr, host_names)} for _x in _r]")
+                lines.append(f"        if min(_v, default=0) < 0 or min(_w, default=0) < 0 or sum(map(_mul, _v, _w)) > {limit}:")
+                lines.append(f"            _check_lengths({label!r}, list(zip(_v, _w)), {bounds})")
             for sym, k in wanted:
-                lines.append(f"        {var[sym]} = sum(_w * _v ** {k} for _v, _w in _pairs)")
+                power = "*".join(["_a"] * k) if k else "1"
+                if weights is None:
+                    lines.append(f"        {var[sym]} = sum([{power} for _a in _v])")
+                else:
+                    lines.append(f"        {var[sym]} = sum([_c * {power} for _a, _c in zip(_v, _w)])")
             lines.append("    else:")
             if values.diff:
                 lines.append(f"        _m{f} = _m{f}.long()")
@@ -140,18 +153,18 @@ class Binder:
         for j, (path, exprs) in enumerate(self.dim_exprs.items()):
             lines.append(f"    t{j} = {self._accessor(path, positions)}.shape")
             label = path_label(path)
-            checks.append(
-                f"    if len(t{j}) != {len(exprs)}: _fail({label!r}, None, {len(exprs)}, len(t{j}))"
-            )
+            lines.append(f"    if len(t{j}) != {len(exprs)}: _fail({label!r}, None, {len(exprs)}, len(t{j}))")
+            expected = {}
             for d, expr in enumerate(exprs):
                 if expr in var and expr not in reads:
                     reads[expr] = f"t{j}[{d}]"
                     lines.append(f"    {var[expr]} = t{j}[{d}]")
                 else:
-                    want = python_source(expr, var)
-                    checks.append(
-                        f"    if t{j}[{d}] != {want}: _fail({label!r}, {d}, {str(expr)!r}, t{j}[{d}])"
-                    )
+                    expected[d] = expr
+            if expected:  # one test per tensor; the slow path says which dim is off
+                test = " or ".join(f"t{j}[{d}] != {python_source(e, var)}" for d, e in expected.items())
+                wants = ", ".join(f"({d}, {python_source(e, var)}, {str(e)!r})" for d, e in expected.items())
+                checks.append(f"    if {test}: _fail_dims({label!r}, t{j}, ({wants},))")
         unread = [str(s) for s in self.symbols if s not in reads and s not in self.stats]
         if unread:
             raise InputError(f"no input dimension carries symbol(s) {unread}")
@@ -161,10 +174,12 @@ class Binder:
         source = "def read(args, kwargs):\n" + "\n".join(body) + "\n"
         scope: dict[str, Any] = {
             "_fail": _fail,
+            "_fail_dims": _fail_dims,
             "_check_offsets": _check_offsets,
             "_check_lengths": _check_lengths,
             "_check_device": _check_device,
             "_binder": self,
+            "_mul": operator.mul,
         }
         exec(compile(source, "<fxflops binder>", "exec"), scope)  # noqa: S102 - our own generated code
         return scope["read"]
@@ -228,6 +243,13 @@ def _check_device(label: str, source: Any, values: Any, weights: Any, is_offsets
     for total in packed:
         if bool(covered > total):
             raise MetadataError(f"metadata {label!r} describes segments past the packed length {total}")
+
+
+def _fail_dims(label: str, shape: Any, wanted: tuple[tuple[int, int, str], ...]) -> None:
+    """Raise for the first dim of ``shape`` that differs from its traced value."""
+    for dim, value, expr in wanted:
+        if shape[dim] != value:
+            _fail(label, dim, expr, shape[dim])
 
 
 def _fail(label: str, dim: int | None, expected: Any, actual: Any) -> None:

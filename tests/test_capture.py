@@ -149,6 +149,12 @@ def test_input_outside_traced_static_dims_is_refused_with_its_name():
         wrapper(torch.randint(0, 100, (3, 9)))
 
 
+def test_wrong_rank_is_an_input_error_not_an_index_error():
+    program = fxflops.trace(Branchy(), (torch.randn(2, 40, 16),), dims={"x": {1: "seq"}})
+    with pytest.raises(fxflops.InputError, match="'x' has rank 1"):
+        program.count(torch.randn(16))
+
+
 def test_bad_dims_are_reported():
     with pytest.raises(fxflops.InputError, match=r"input 'ids'.*\['x'\]"):
         fxflops.trace(Branchy(), (torch.randn(2, 40, 16),), dims={"ids": {1: "seq"}})
