@@ -175,7 +175,7 @@ class Program:
         self.terms = terms
         self.families = list(families)
         self.unsupported = unsupported
-        self.symbols = tuple(sorted(symbols, key=str))
+        self.all_symbols = tuple(sorted(symbols, key=str))  # what the binder reads, in order
         self.guards = guards
         self.binder = binder
         self.tree = nx.DiGraph()
@@ -183,6 +183,8 @@ class Program:
             chain = _ancestors(path)
             nx.add_path(self.tree, chain) if len(chain) > 1 else self.tree.add_node("")
         self._compile()
+        used = set().union(*(m.free_symbols for m in self.basis), *(g.expr.free_symbols for g in guards))
+        self.symbols = tuple(s for s in self.all_symbols if s in used)
 
     @classmethod
     def from_capture(
@@ -234,7 +236,7 @@ class Program:
             key: [(column[m], int(c * self.denominator)) for m, c in cm.items()]
             for key, cm in coefficient_maps.items()
         }
-        names = {sym: f"v{i}" for i, sym in enumerate(self.symbols)}
+        names = {sym: f"v{i}" for i, sym in enumerate(self.all_symbols)}
         params = ", ".join(names.values())
         monomials = ", ".join(python_source(m, names) for m in self.basis)
         checks = " and ".join(f"({python_source(g.expr, names)})" for g in self.guards) or "True"
@@ -249,20 +251,21 @@ class Program:
 
     # ---- evaluation ---------------------------------------------------------------------------
     def values_of(self, **values: int) -> tuple[int, ...]:
-        """Symbol values in ``self.symbols`` order; raise on a missing one or outside the guards."""
+        """Values in the binder's symbol order (symbols no polynomial or guard uses may be left out);
+        raise on a missing one, an unknown name, or values outside the guards."""
         missing = [str(s) for s in self.symbols if str(s) not in values]
-        if missing:
-            raise UnboundSymbolError(
-                f"no value for symbol(s) {missing}; the program's symbols are {[str(s) for s in self.symbols]}"
-            )
-        ordered = tuple(int(values[str(s)]) for s in self.symbols)
+        unknown = sorted(set(values) - {str(s) for s in self.all_symbols})
+        if missing or unknown:
+            problem = f"no value for symbol(s) {missing}" if missing else f"unknown symbol(s) {unknown}"
+            raise UnboundSymbolError(f"{problem}; the program's symbols are {[str(s) for s in self.symbols]}")
+        ordered = tuple(int(values.get(str(s), 0)) for s in self.all_symbols)
         if not self.within_guards(*ordered):
             raise GuardError(self.explain_guard_failure(ordered))
         return ordered
 
     def explain_guard_failure(self, ordered: tuple[int, ...]) -> str:
         """Which guard these values break, with the model line that made it."""
-        subs = {s: v for s, v in zip(self.symbols, ordered) if isinstance(v, int)}
+        subs = {s: v for s, v in zip(self.all_symbols, ordered) if isinstance(v, int) and s in self.symbols}
         broken = [g for g in self.guards if not bool(g.expr.xreplace(subs))]
         shown = ", ".join(f"{s}={v}" for s, v in subs.items())
         return f"{shown} break the trace's guard(s): " + "; ".join(map(str, broken))

@@ -33,7 +33,7 @@ def brute_force_power_sums(batch):
 
 def test_power_sums_from_host_metadata(program):
     batch = random_batch(CFG, random.Random(5))
-    values = dict(zip(map(str, program.symbols), program.binder.values(batch.inputs(), {})))
+    values = dict(zip(map(str, program.all_symbols), program.binder.values(batch.inputs(), {})))
     assert (values["cu_seqlens_p2"], values["image_grid_thw_p2"]) == brute_force_power_sums(batch)
 
 
@@ -42,7 +42,7 @@ def test_device_path_gives_the_same_power_sums(program):
     batch = random_batch(CFG, random.Random(6))
     program.binder.host_metadata = False
     try:
-        values = dict(zip(map(str, program.symbols), program.binder.values(batch.inputs(), {})))
+        values = dict(zip(map(str, program.all_symbols), program.binder.values(batch.inputs(), {})))
     finally:
         program.binder.host_metadata = True
     assert isinstance(values["cu_seqlens_p2"], torch.Tensor) and values["cu_seqlens_p2"].dim() == 0
@@ -56,7 +56,7 @@ def test_binding_reads_no_metadata_values_on_meta_or_fake_tensors(program):
     batch = random_batch(CFG, random.Random(7))
     on_meta = [t.to("meta") if t.dtype != torch.float32 else t for t in batch.inputs()]
     values = program.binder.values(tuple(on_meta), {})
-    stats = [v for s, v in zip(program.symbols, values) if str(s).endswith("_p2")]
+    stats = [v for s, v in zip(program.all_symbols, values) if str(s).endswith("_p2")]
     assert stats and all(v.device.type == "meta" for v in stats)
     monomials = program.monomials(*values)
     assert any(isinstance(m, torch.Tensor) and m.device.type == "meta" for m in monomials)
@@ -66,7 +66,7 @@ def test_binding_reads_no_metadata_values_on_meta_or_fake_tensors(program):
     with FakeTensorMode(allow_non_fake_inputs=True) as mode:
         fake = [mode.from_tensor(t.to("meta")) if t.dtype != torch.float32 else t for t in batch.inputs()]
         values = program.binder.values(tuple(fake), {})
-    assert len(values) == len(program.symbols)
+    assert len(values) == len(program.all_symbols)
 
 
 def test_meter_accumulates_device_values_until_read(program):

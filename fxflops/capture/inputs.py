@@ -76,8 +76,8 @@ def resolve_dims(
     ``dims`` keys are argument names (or ``name_key`` labels of nested tensors), values map a
     dimension index (negative allowed) to a symbol name. Unknown names and out-of-range dims raise
     :class:`InputError` listing what exists. Metadata inputs that ``dims`` does not mention (integer
-    tensors of rank 1 or 2, such as ``cu_seqlens`` or ``image_grid_thw``) keep every dim free, named
-    ``<argument>_<dim>``: their sizes count sequences or images, which must never be pinned.
+    tensors of rank 1 or 2, such as ``cu_seqlens`` or ``image_grid_thw``) keep dim 0 free, named
+    ``<argument>_0``: it counts sequences or images, which must never be pinned.
     """
     if dims is None:
         return [
@@ -87,10 +87,9 @@ def resolve_dims(
         ]
     by_label = {path_label(path): path for path in tensors}
     specs = [
-        DimSpec(f"{label}_{d}", path, d)
+        DimSpec(f"{label}_0", path, 0)
         for label, path in by_label.items()
         if label not in dims and is_metadata(tensors[path])
-        for d in range(tensors[path].dim())
     ]
     for label, per_dim in dims.items():
         if label not in by_label:

@@ -94,10 +94,14 @@ class Family:
         return sympy.Symbol(f"{self.name}_p{k}", integer=True, nonnegative=True)
 
     def describe(self) -> str:
+        """In words: which lengths this family's segments have, from which input."""
         v, w = self.lengths.values, self.lengths.weights
-        of = f"consecutive differences of {path_label(v.source)}" if v.diff else f"{v.expr} per row of {path_label(v.source)}"
-        times = "" if w is None else f", each repeated {w.expr} times"
-        return f"segments of length {of}{times}"
+        label = path_label(v.source)
+        if v.diff:
+            return f"the segments cut by offsets {label}"
+        columns = {column(j): sympy.Symbol(f"{label}[:, {j}]") for j in range(64)} | {ELEMENT: sympy.Symbol(label)}
+        lengths = f"segments of length {v.expr.xreplace(columns)}"
+        return lengths + ("" if w is None else f", {w.expr.xreplace(columns)} of them") + f" per row of {label}"
 
 
 class SegmentLengths:

@@ -273,3 +273,33 @@ def random_batch(
         sequence_lengths=lengths,
         padding=padding,
     )
+
+
+def forward_flops_formula(cfg: VLMConfig, tokens, patches, text_p2, frames_p2):
+    """Hand formula of TinyVLM's forward FLOPs (FlopCounterMode convention), written from the math.
+
+    Vision, per patch: patch embedding 2·(C·T·P·P)·Hv, and per block QKV 2·Hv·3Hv, projection 2·Hv²,
+    MLP 2·2·Hv·I. Vision attention is per frame and bidirectional: QKᵀ and P·V, 2·2·Hv·s² per frame of
+    s patches and per block, i.e. 4·Hv·Lv·Σ s² (``frames_p2``). Merger, per merged token
+    (patches / merge²): 2·(W² + W·H) with W = merge²·Hv. Text, per token and layer: 2·H·(heads·d)
+    for Q, 2·2·H·(kv_heads·d) for K and V, 2·(heads·d)·H for O, 3·2·H·F for SwiGLU; causal attention
+    per packed sequence, not halved: 4·H·L·Σ s² (``text_p2``). LM head 2·H·V per token.
+    Embedding, norms, softmax, activations, biases: not counted.
+    """
+    c = cfg
+    head_dim = c.hidden // c.heads
+    vision_per_patch = 2 * c.pixel_dim * c.vision_hidden + c.vision_layers * 2 * (
+        4 * c.vision_hidden**2 + 2 * c.vision_hidden * c.vision_mlp
+    )
+    width = c.merge**2 * c.vision_hidden
+    merged_tokens = patches // c.merge**2
+    text_per_token = c.layers * 2 * (
+        c.hidden * head_dim * (2 * c.heads + 2 * c.kv_heads) + 3 * c.hidden * c.ffn
+    ) + 2 * c.hidden * c.vocab
+    return (
+        vision_per_patch * patches
+        + 4 * c.vision_hidden * c.vision_layers * frames_p2
+        + 2 * (width**2 + width * c.hidden) * merged_tokens
+        + text_per_token * tokens
+        + 4 * c.hidden * c.layers * text_p2
+    )
