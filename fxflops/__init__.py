@@ -33,6 +33,7 @@ def trace(
     *,
     dims: dict[str, dict[int, str]] | None = None,
     segments: dict[str, str] | None = None,
+    per_segment: dict[str, str] | None = None,
     strict_metadata: bool = False,
 ) -> Program:
     """Trace ``model(*args, **kwargs)`` once with symbolic sizes and return its FLOPs :class:`Program`.
@@ -46,12 +47,17 @@ def trace(
     Segment families (packed sequences cut by ``cu_seqlens``, frames from ``image_grid_thw``) are found
     automatically where offsets reach a varlen attention op; their power sums ``<family>_p<k>`` are
     symbols. ``segments`` names them by the input they come from, e.g.
-    ``{"cu_seqlens": "text", "image_grid_thw": "frames"}``. ``strict_metadata`` also validates metadata
-    on accelerators (a host sync); metadata on the CPU is always validated.
+    ``{"cu_seqlens": "text", "image_grid_thw": "frames"}``. ``per_segment`` names modules whose work is
+    per segment but whose code cannot be traced over a whole batch (a Python loop over
+    ``lengths.tolist()``), with the forward argument holding their offsets, e.g.
+    ``{"visual.blocks.*.attn": "cu_seqlens"}``: each is traced once on one segment of length ``s`` and
+    billed Σₖ cₖ·pₖ. ``strict_metadata`` also validates metadata on accelerators (a host sync); metadata
+    on the CPU is always validated.
     """
     if not isinstance(args, tuple):
         args = (args,)
-    return Program.from_capture(capture(model, args, kwargs, dims), model, segments, strict_metadata)
+    captured = capture(model, args, kwargs, dims, per_segment=per_segment)
+    return Program.from_capture(captured, model, segments, strict_metadata)
 
 
 __all__ = [

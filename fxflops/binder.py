@@ -99,26 +99,31 @@ class Binder:
             host_names = {ELEMENT: "_x"} | {column(j): f"_x[{j}]" for j in range(64)}
             device_names = {ELEMENT: f"_m{f}"} | {column(j): f"_m{f}[:, {j}]" for j in range(64)}
             packed = [python_source(p, var) for p in sorted(family.packed, key=str)]
+            covered = [python_source(p, var) for p in sorted(family.covered, key=str)]
+            exact = "(" + "".join(f"{c}, " for c in covered) + ")"
             label = path_label(source)
             lines.append(f"    _m{f} = {self._accessor(source, positions)}")
             lines.append(f"    if _m{f}.is_cpu and _binder.host_metadata:")
             lines.append(f"        _r = _m{f}.tolist()")
-            bounds = f"({', '.join(packed)},)"
+            bounds = "(" + "".join(f"{p}, " for p in packed) + ")"
             limit = f"min({bounds})" if packed else "float('inf')"
             if values.diff:  # sorted() is one C call: offsets must be non-decreasing from 0
-                lines.append(f"        if not _r or _r[0] != 0 or _r[-1] > {limit} or _r != sorted(_r):")
-                lines.append(f"            _check_offsets({label!r}, _r, {bounds})")
+                uncovered = "".join(f" or _r[-1] != {c}" for c in covered)
+                lines.append(f"        if not _r or _r[0] != 0 or _r[-1] > {limit}{uncovered} or _r != sorted(_r):")
+                lines.append(f"            _check_offsets({label!r}, _r, {bounds}, {exact})")
                 lines.append("        _v = [_b - _a for _a, _b in zip(_r, _r[1:])]")
             else:
                 lines.append(f"        _v = [{python_source(values.expr, host_names)} for _x in _r]")
             if weights is None:
                 if not values.diff:
-                    lines.append(f"        if min(_v, default=0) < 0 or sum(_v) > {limit}:")
-                    lines.append(f"            _check_lengths({label!r}, [(_a, 1) for _a in _v], {bounds})")
+                    uncovered = "".join(f" or sum(_v) != {c}" for c in covered)
+                    lines.append(f"        if min(_v, default=0) < 0 or sum(_v) > {limit}{uncovered}:")
+                    lines.append(f"            _check_lengths({label!r}, [(_a, 1) for _a in _v], {bounds}, {exact})")
             else:
                 lines.append(f"        _w = [{python_source(weights.expr, host_names)} for _x in _r]")
-                lines.append(f"        if min(_v, default=0) < 0 or min(_w, default=0) < 0 or sum(map(_mul, _v, _w)) > {limit}:")
-                lines.append(f"            _check_lengths({label!r}, list(zip(_v, _w)), {bounds})")
+                uncovered = "".join(f" or sum(map(_mul, _v, _w)) != {c}" for c in covered)
+                lines.append(f"        if min(_v, default=0) < 0 or min(_w, default=0) < 0 or sum(map(_mul, _v, _w)) > {limit}{uncovered}:")
+                lines.append(f"            _check_lengths({label!r}, list(zip(_v, _w)), {bounds}, {exact})")
             for sym, k in wanted:
                 power = "*".join(["_a"] * k) if k else "1"
                 if weights is None:
@@ -135,7 +140,7 @@ class Binder:
                 lines.append(f"        _v = {python_source(values.expr, device_names)}")
                 lines.append(f"        _w = {'1' if weights is None else python_source(weights.expr, device_names)}")
             if self.strict_metadata:
-                lines.append(f"        _check_device({label!r}, _m{f}, _v, _w, {values.diff}, ({', '.join(packed)},))")
+                lines.append(f"        _check_device({label!r}, _m{f}, _v, _w, {values.diff}, {bounds}, {exact})")
             for sym, k in wanted:
                 lines.append(f"        {var[sym]} = (_w * _v ** {k}).sum()")
         return lines
@@ -203,8 +208,9 @@ class Binder:
         return {name: code for name, code in positions.items() if name in named}
 
 
-def _check_offsets(label: str, offsets: list[int], packed: tuple[int, ...]) -> None:
-    """Host check of a cumulative-offsets input: starts at 0, never decreases, fits every packed dim."""
+def _check_offsets(label: str, offsets: list[int], packed: tuple[int, ...], exact: tuple[int, ...] = ()) -> None:
+    """Host check of a cumulative-offsets input: starts at 0, never decreases, fits every packed dim
+    (and covers exactly those a per-segment module processes)."""
     if not offsets or offsets[0] != 0:
         raise MetadataError(f"segment offsets {label!r} must start at 0, got {offsets[:4]}...")
     drops = [i for i in range(1, len(offsets)) if offsets[i] < offsets[i - 1]]
@@ -217,9 +223,15 @@ def _check_offsets(label: str, offsets: list[int], packed: tuple[int, ...]) -> N
     for total in packed:
         if offsets[-1] > total:
             raise MetadataError(f"segment offsets {label!r} end at {offsets[-1]}, past the packed length {total}")
+    for total in exact:
+        if offsets[-1] != total:
+            raise MetadataError(
+                f"segment offsets {label!r} end at {offsets[-1]}, but a per-segment module processes all "
+                f"{total} packed rows: the offsets must cover them exactly"
+            )
 
 
-def _check_lengths(label: str, pairs: list[tuple[int, int]], packed: tuple[int, ...]) -> None:
+def _check_lengths(label: str, pairs: list[tuple[int, int]], packed: tuple[int, ...], exact: tuple[int, ...] = ()) -> None:
     """Host check of lengths built from metadata rows (e.g. grid_thw): nonnegative, fit the packed dim."""
     bad = [i for i, (v, w) in enumerate(pairs) if v < 0 or w < 0]
     if bad:
@@ -231,9 +243,17 @@ def _check_lengths(label: str, pairs: list[tuple[int, int]], packed: tuple[int, 
                 f"metadata {label!r} describes segments totalling {covered}, more than the packed length {total} "
                 "of the tensor it cuts"
             )
+    for total in exact:
+        if covered != total:
+            raise MetadataError(
+                f"metadata {label!r} describes segments totalling {covered}, but a per-segment module "
+                f"processes all {total} packed rows: they must match exactly"
+            )
 
 
-def _check_device(label: str, source: Any, values: Any, weights: Any, is_offsets: bool, packed: tuple[int, ...]) -> None:
+def _check_device(
+    label: str, source: Any, values: Any, weights: Any, is_offsets: bool, packed: tuple[int, ...], exact: tuple[int, ...]
+) -> None:
     """The same checks with tensor ops on the metadata's device (each ``bool()`` is a host sync)."""
     if is_offsets and bool(source[0] != 0):
         raise MetadataError(f"segment offsets {label!r} must start at 0")
@@ -243,6 +263,9 @@ def _check_device(label: str, source: Any, values: Any, weights: Any, is_offsets
     for total in packed:
         if bool(covered > total):
             raise MetadataError(f"metadata {label!r} describes segments past the packed length {total}")
+    for total in exact:
+        if bool(covered != total):
+            raise MetadataError(f"metadata {label!r} must cover all {total} rows a per-segment module processes")
 
 
 def _fail_dims(label: str, shape: Any, wanted: tuple[tuple[int, int, str], ...]) -> None:

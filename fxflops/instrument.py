@@ -36,6 +36,7 @@ class Instrumented(torch.nn.Module):
         model: torch.nn.Module,
         dims: dict[str, dict[int, str]] | None,
         segments: dict[str, str] | None,
+        per_segment: dict[str, str] | None,
         strict_metadata: bool,
         on_miss: str,
         strict: bool,
@@ -53,6 +54,7 @@ class Instrumented(torch.nn.Module):
         object.__setattr__(self, "model", model)
         self.dims = dims
         self.segments = segments
+        self.per_segment = per_segment
         self.strict_metadata = strict_metadata
         self.on_miss = on_miss
         self.strict = strict
@@ -113,7 +115,9 @@ class Instrumented(torch.nn.Module):
         if key in self._failed:
             raise CaptureError(self._failed[key])
         try:
-            captured = capture(self.model, args, kwargs, self.dims, allow_pins=bool(self.programs))
+            captured = capture(
+                self.model, args, kwargs, self.dims, allow_pins=bool(self.programs), per_segment=self.per_segment
+            )
         except CaptureError as exc:
             self._failed[key] = str(exc)  # do not re-trace the same shapes on every call
             raise
@@ -141,6 +145,7 @@ def instrument(
     *,
     dims: dict[str, dict[int, str]] | None = None,
     segments: dict[str, str] | None = None,
+    per_segment: dict[str, str] | None = None,
     strict_metadata: bool = False,
     on_miss: str = "recapture",
     strict: bool = False,
@@ -148,7 +153,7 @@ def instrument(
 ) -> Instrumented:
     """Wrap ``model`` so every call adds its FLOPs to ``wrapper.flops`` (see module docstring).
 
-    ``dims``, ``segments`` and ``strict_metadata`` as for :func:`fxflops.trace` (``dims=None``: every
-    input dim free unless the code pins it; segment families found automatically).
+    ``dims``, ``segments``, ``per_segment`` and ``strict_metadata`` as for :func:`fxflops.trace`
+    (``dims=None``: every input dim free unless the code pins it; segment families found automatically).
     """
-    return Instrumented(model, dims, segments, strict_metadata, on_miss, strict, max_programs)
+    return Instrumented(model, dims, segments, per_segment, strict_metadata, on_miss, strict, max_programs)

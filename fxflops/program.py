@@ -27,6 +27,7 @@ import torch
 
 from fxflops.binder import Binder, python_source
 from fxflops.capture.inputs import path_label
+from fxflops.capture.lifting import SEGMENT, Lifted
 from fxflops.capture.segments import Family, SegmentAnalysis
 from fxflops.capture.trace import Captured, Guard
 from fxflops.errors import CaptureError, GuardError, UnboundSymbolError
@@ -34,6 +35,7 @@ from fxflops.rules import rule_for, segment_args
 from fxflops.rules.not_counted import is_not_counted, touches_floats
 
 PHASES = ("fwd", "bwd", "recompute")
+PER_SEGMENT = torch.ops.fxflops.per_segment.default
 
 
 @dataclass(frozen=True)
@@ -103,16 +105,31 @@ def _with_segments(node: torch.fx.Node, args: list, kwargs: dict, segments: Segm
             kwargs[names[index]] = segments.lengths_of(node.kwargs[names[index]], where)
 
 
-def terms_of(
-    captured: Captured, segments: SegmentAnalysis, phase: str = "fwd"
+def _join(prefix: str, path: str) -> str:
+    return ".".join(p for p in (prefix, path) if p)
+
+
+def _graph_terms(
+    graph: torch.fx.Graph,
+    named: Callable[[Any], sympy.Expr],
+    known: set[sympy.Symbol],
+    segments: SegmentAnalysis,
+    lifted: dict[str, Lifted],
+    prefix: str = "",
+    phase: str = "fwd",
 ) -> tuple[list[Term], list[Unsupported]]:
-    """Apply the rule of every op node in the captured graph (see module docstring)."""
+    """Apply the rule of every op node in ``graph`` (see the module docstring); ``named`` maps a
+    traced size to the public symbols, ``prefix`` is the module path the graph's root sits at."""
     terms, unsupported = [], []
-    known = set(captured.symbols.values())
-    for node in captured.graph_module.graph.nodes:
+    for node in graph.nodes:
         if node.op != "call_function" or node.target is operator.getitem:
             continue
-        op = node.target
+        op, path = node.target, _join(prefix, module_path(node))
+        where = f"{op} in module {path or '<root>'!r}"
+        if op is PER_SEGMENT:
+            if node.args[4]:  # the first output of a lifted module's call carries its FLOPs
+                terms += _lifted_terms(node, path, where, named, segments, lifted[module_path(node)], phase)
+            continue
         rule = rule_for(op)
         if rule is None:
             inputs = [_tensor_values(a) for a in (*node.args, *node.kwargs.values())]
@@ -121,12 +138,11 @@ def terms_of(
                 and not is_not_counted(op)
                 and touches_floats(inputs, node.meta.get("val"))
             ):
-                unsupported.append(Unsupported(node.name, str(op), module_path(node)))
+                unsupported.append(Unsupported(node.name, str(op), path))
             continue
-        args = [_as_rule_argument(a, captured.named) for a in node.args]
-        kwargs = {k: _as_rule_argument(v, captured.named) for k, v in node.kwargs.items()}
-        out_shape = _as_rule_argument(node.meta.get("val"), captured.named)
-        where = f"{op} in module {module_path(node) or '<root>'!r}"
+        args = [_as_rule_argument(a, named) for a in node.args]
+        kwargs = {k: _as_rule_argument(v, named) for k, v in node.kwargs.items()}
+        out_shape = _as_rule_argument(node.meta.get("val"), named)
         try:
             _with_segments(node, args, kwargs, segments)
             flops = sympy.expand(sympy.sympify(rule(*args, out_shape=out_shape, **kwargs)))
@@ -139,8 +155,47 @@ def terms_of(
                 "that no input shape or segment family gives"
             )
         if flops != 0:
-            terms.append(Term(node.name, str(op), module_path(node), phase, flops))
+            terms.append(Term(node.name, str(op), path, phase, flops))
     return terms, unsupported
+
+
+def _lifted_terms(
+    marker: torch.fx.Node,
+    path: str,
+    where: str,
+    named: Callable[[Any], sympy.Expr],
+    segments: SegmentAnalysis,
+    lifted: Lifted,
+    phase: str,
+) -> list[Term]:
+    """A lifted module's single-segment terms P(s), billed as Σₖ cₖ·pₖ of its offsets' family."""
+    try:
+        lengths = segments.lengths_of(marker.args[1], where)
+    except ValueError as exc:
+        raise CaptureError(str(exc)) from exc
+    lengths.covers(named(marker.args[0].meta["val"].shape[0]))
+    inner, unsupported = _graph_terms(
+        lifted.graph_module.graph, lifted.in_s, {SEGMENT}, SegmentAnalysis.empty(), {}, path, phase
+    )
+    if unsupported:
+        raise CaptureError(f"per-segment module {path!r} runs ops without a FLOPs rule: {sorted({u.op for u in unsupported})}")
+    terms = []
+    for term in inner:
+        if not term.flops.free_symbols <= {SEGMENT} or not term.flops.is_polynomial(SEGMENT):
+            raise CaptureError(f"the FLOPs of {term.op} in per-segment module {term.module!r} are not a polynomial in the segment length: {term.flops}")
+        coefficients = sympy.Poly(term.flops, SEGMENT).all_coeffs()[::-1]
+        billed = sum((c * lengths.power_sum(k) for k, c in enumerate(coefficients) if c != 0), sympy.Integer(0))
+        terms.append(Term(f"{marker.name}.{term.node}", term.op, term.module, phase, sympy.expand(billed)))
+    return terms
+
+
+def terms_of(
+    captured: Captured, segments: SegmentAnalysis, phase: str = "fwd"
+) -> tuple[list[Term], list[Unsupported]]:
+    """Terms of every node of a capture, lifted per-segment modules included."""
+    return _graph_terms(
+        captured.graph_module.graph, captured.named, set(captured.symbols.values()), segments, captured.lifted, "", phase
+    )
 
 
 def _depth(path: str) -> int:

@@ -83,7 +83,8 @@ class Family:
 
     lengths: Lengths
     name: str
-    packed: set[sympy.Expr] = field(default_factory=set)  # lengths of the packed dims it cuts
+    packed: set[sympy.Expr] = field(default_factory=set)  # packed lengths it cuts (segments fit in)
+    covered: set[sympy.Expr] = field(default_factory=set)  # packed lengths it must cover exactly
 
     @property
     def source(self) -> Path:
@@ -121,6 +122,10 @@ class SegmentLengths:
 
     def packed(self, total: Any) -> None:
         self.family.packed.add(sympy.sympify(total))
+
+    def covers(self, total: Any) -> None:
+        """Record that the segments must cover a packed length exactly (per-segment lifting)."""
+        self.family.covered.add(sympy.sympify(total))
 
 
 def pair_sum(a: SegmentLengths, b: SegmentLengths) -> sympy.Expr:
@@ -218,6 +223,11 @@ class SegmentAnalysis:
                 abstract = _transfer(node, self.value)
                 if abstract is not None:
                     self.value[node] = abstract
+
+    @classmethod
+    def empty(cls) -> SegmentAnalysis:
+        """An analysis that knows no offsets (for graphs with no metadata inputs)."""
+        return cls(torch.fx.Graph(), {}, {})
 
     def symbols(self) -> set[sympy.Symbol]:
         """The power-sum symbols rules asked for so far."""

@@ -11,6 +11,7 @@ No real compute runs. ``backed_size_oblivious`` keeps size-1/size-0 examples fro
 from __future__ import annotations
 
 import contextlib
+import traceback
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,9 +25,13 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import DimDynamic
 
+from fxflops.capture.lifting import Lifted, install_stand_ins
 from fxflops.capture.inputs import DimSpec, Path, bind_call, resolve_dims, tensor_leaves
-from fxflops.capture.shape_env import BlamingShapeEnv, format_location
+from fxflops.capture.shape_env import BlamingShapeEnv, format_location, is_library_file
 from fxflops.errors import CaptureError, InputError, PinnedSymbolError
+
+
+TENSOR = object()  # marks tensor leaves in a graph's recorded output structure
 
 
 def named_symbol(name: str) -> sympy.Symbol:
@@ -58,6 +63,7 @@ class Captured:
     input_dims: dict[Path, tuple[sympy.Expr, ...]]  # every tensor input's dims, in public symbols
     placeholder_paths: list[Path]  # the input path of each tensor placeholder, in graph order
     pinned: dict[str, sympy.Expr] = field(default_factory=dict)  # auto dims the code fixed
+    lifted: dict[str, Lifted] = field(default_factory=dict)  # per-segment modules by path
     assumptions_at_capture: tuple[int, int] = (0, 0)
 
     def assumptions(self) -> tuple[int, int]:
@@ -144,18 +150,80 @@ def _no_stack_traces() -> Iterator[None]:
         torch.fx.config.do_not_emit_stack_traces = before
 
 
+def trace_graph(model: torch.nn.Module, mode: FakeTensorMode, args: tuple, kwargs: dict) -> torch.fx.GraphModule:
+    """``make_fx`` of ``model(*args, **kwargs)`` whose tensors are fakes of ``mode``.
+
+    Parameters and buffers enter as static-shaped fake placeholders, swapped in with
+    ``functional_call``: the model's real state is never read for compute nor mutated (e.g.
+    BatchNorm's ``num_batches_tracked += 1``). Nodes carry ``nn_module_stack`` relative to ``model``;
+    ``gm.meta["output_structure"]`` keeps the output's pytree spec and its non-tensor leaves.
+    """
+    leaves, tree = pytree.tree_flatten((args, kwargs))
+    slots = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+    state = {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers(remove_duplicate=False))}
+    with mode:
+        fake_state = [
+            torch.empty(tuple(t.shape), dtype=t.dtype, device=t.device).requires_grad_(t.requires_grad)
+            for t in state.values()
+        ]
+
+    structure: list = []
+
+    def run(*flat: torch.Tensor) -> list[torch.Tensor]:
+        call_leaves = list(leaves)
+        for i, tensor in zip(slots, flat):
+            call_leaves[i] = tensor
+        call_args, call_kwargs = pytree.tree_unflatten(call_leaves, tree)
+        swapped = dict(zip(state, flat[len(slots) :]))
+        out = torch.func.functional_call(model, swapped, call_args, call_kwargs, strict=False)
+        out_leaves, spec = pytree.tree_flatten(out)
+        structure.extend([spec, [TENSOR if isinstance(x, torch.Tensor) else x for x in out_leaves]])
+        return [x for x in out_leaves if isinstance(x, torch.Tensor)]
+
+    run._orig_mod = model  # make_fx records nn_module_stack relative to this root
+    try:
+        with fx_config.patch(backed_size_oblivious=True), _no_stack_traces(), mode:
+            gm = make_fx(
+                run, tracing_mode="symbolic", _allow_non_fake_inputs=True, record_module_stack=True
+            )(*(leaves[i] for i in slots), *fake_state)
+        gm.meta["output_structure"] = tuple(structure)  # (pytree spec, leaves with TENSOR for tensors)
+        return gm
+    except CaptureError:
+        raise
+    except Exception as exc:  # make_fx raises many types; name the model and the line
+        hint = ""
+        if "data-dependent" in str(exc) or "DataDependent" in type(exc).__name__:
+            hint = (
+                " — the code reads tensor values. If that is a module looping over the segments of a "
+                "packed input (e.g. torch.split(x, lengths.tolist())), declare it with "
+                "per_segment={'<module path pattern>': '<offsets argument>'}"
+            )
+        raise CaptureError(
+            f"could not trace {type(model).__name__} symbolically at {_model_line(exc)}: "
+            f"{type(exc).__name__}: {str(exc).splitlines()[0]}{hint}"
+        ) from exc
+
+
+def _model_line(exc: BaseException) -> str:
+    """The innermost frame of model code (not torch, not fxflops) in ``exc``'s traceback."""
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if not is_library_file(f.filename)]
+    return format_location(frames[-1]) if frames else "an unknown line"
+
+
 def capture(
     model: torch.nn.Module,
     args: tuple = (),
     kwargs: dict | None = None,
     dims: dict[str, dict[int, str]] | None = None,
     allow_pins: bool = False,
+    per_segment: dict[str, str] | None = None,
 ) -> Captured:
     """Trace ``model(*args, **kwargs)`` once with the ``dims`` as free symbols (see module doc).
 
     A requested symbol the code pins raises :class:`PinnedSymbolError` unless ``dims`` is ``None``
     (every dim free unless pinned, like ``Dim.AUTO``) or ``allow_pins`` (a re-capture for a call
     outside an earlier program's guards: the pin becomes a guard of the new branch).
+    ``per_segment`` lifts modules whose work is per segment (see ``capture/lifting.py``).
     """
     kwargs = kwargs or {}
     named = bind_call(model.forward, args, kwargs)
@@ -167,40 +235,17 @@ def capture(
     fakes, env_syms = _symbolic_inputs(env, mode, tensors, specs)
     fake_by_id = {id(tensors[path]): fake for path, fake in fakes.items()}
 
-    leaves, tree = pytree.tree_flatten((args, kwargs))
+    leaves = pytree.tree_leaves((args, kwargs))
     slots = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
-    # Parameters and buffers enter as static-shaped fake placeholders, swapped in with
-    # functional_call: the model's real state is never read for compute nor mutated (e.g. BatchNorm's
-    # num_batches_tracked += 1 during the trace).
-    state = {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers(remove_duplicate=False))}
-    with mode:
-        fake_state = [mode.from_tensor(t, static_shapes=True) for t in state.values()]
-
-    def run(*flat: torch.Tensor) -> list[torch.Tensor]:
-        call_leaves = list(leaves)
-        for i, tensor in zip(slots, flat):
-            call_leaves[i] = tensor
-        call_args, call_kwargs = pytree.tree_unflatten(call_leaves, tree)
-        swapped = dict(zip(state, flat[len(slots) :]))
-        out = torch.func.functional_call(model, swapped, call_args, call_kwargs, strict=False)
-        return [x for x in pytree.tree_leaves(out) if isinstance(x, torch.Tensor)]
-
-    run._orig_mod = model  # make_fx records nn_module_stack relative to this root
-
-    try:
-        with fx_config.patch(backed_size_oblivious=True), _no_stack_traces(), mode:
-            gm = make_fx(
-                run, tracing_mode="symbolic", _allow_non_fake_inputs=True, record_module_stack=True
-            )(*(fake_by_id[id(leaves[i])] for i in slots), *fake_state)
-    except Exception as exc:  # make_fx raises many types; name the model line that failed
-        raise CaptureError(
-            f"could not trace {type(model).__name__} symbolically: {type(exc).__name__}: {exc}"
-        ) from exc
-
+    call_args, call_kwargs = pytree.tree_map(
+        lambda v: fake_by_id[id(v)] if isinstance(v, torch.Tensor) else v, (args, kwargs)
+    )
+    with install_stand_ins(model, per_segment or {}) as lifted:
+        gm = trace_graph(model, mode, call_args, call_kwargs)
     pinned = _check_free(env, env_syms, strict=dims is not None and not allow_pins)
     env_to_named = {sym: named_symbol(name) for name, sym in env_syms.items()}
     path_of = {id(tensor): path for path, tensor in tensors.items()}
-    captured = Captured(gm, env, {}, env_to_named, specs, [], {}, [path_of[id(leaves[i])] for i in slots], pinned)
+    captured = Captured(gm, env, {}, env_to_named, specs, [], {}, [path_of[id(leaves[i])] for i in slots], pinned, lifted)
     captured.symbols = {name: named_symbol(name) for name in env_syms if name not in pinned}
     captured.input_dims = {
         path: tuple(captured.named(size) for size in fake.shape) for path, fake in fakes.items()

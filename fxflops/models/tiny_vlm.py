@@ -55,26 +55,31 @@ class VLMConfig:
 
 
 def packed_attention(q, k, v, cu_seqlens, causal: bool, impl: str) -> torch.Tensor:
-    """Attention within each segment of packed (total, heads, dim) q/k/v (GQA by kv-head groups)."""
+    """Attention within each segment of packed (total, heads, dim) q/k/v (GQA by kv-head groups).
+
+    ``impl="loop"`` splits the rows by ``lengths.tolist()`` as Hugging Face's vision attention does
+    (the last chunk is the padding past ``cu_seqlens[-1]``, output zero) and runs explicit matmuls.
+    """
     if impl == "varlen":
         return varlen_attention(q, k, v, cu_seqlens, cu_seqlens, causal)
     if impl != "loop":
         raise ValueError(f"attention must be 'varlen' or 'loop', not {impl!r}")
-    out = q.new_zeros(q.shape[0], q.shape[1], v.shape[2])
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+    padding = q.shape[0] - sum(lengths)
+    sizes = [*lengths, padding]
     groups = q.shape[1] // k.shape[1]
-    bounds = cu_seqlens.tolist()
-    for start, end in zip(bounds[:-1], bounds[1:]):
-        if end == start:
-            continue
-        qs = q[start:end].transpose(0, 1)  # (heads, s, dim)
-        ks = k[start:end].repeat_interleave(groups, dim=1).transpose(0, 1)
-        vs = v[start:end].repeat_interleave(groups, dim=1).transpose(0, 1)
+    outs = []
+    for qs, ks, vs in zip(*(torch.split(t, sizes)[:-1] for t in (q, k, v))):
+        qs = qs.transpose(0, 1)  # (heads, s, dim)
+        ks = ks.repeat_interleave(groups, dim=1).transpose(0, 1)
+        vs = vs.repeat_interleave(groups, dim=1).transpose(0, 1)
         scores = torch.matmul(qs, ks.transpose(1, 2)) / qs.shape[-1] ** 0.5
         if causal:
-            s = end - start
-            scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))
-        out[start:end] = torch.matmul(scores.softmax(-1), vs).transpose(0, 1)
-    return out
+            future = torch.ones(qs.shape[1], qs.shape[1], dtype=torch.bool, device=q.device).triu(1)
+            scores = scores.masked_fill(future, float("-inf"))
+        outs.append(torch.matmul(scores.softmax(-1), vs).transpose(0, 1))
+    outs.append(q.new_zeros(padding, q.shape[1], v.shape[2]))
+    return torch.cat(outs)
 
 
 class PatchEmbed(nn.Module):

@@ -1,0 +1,249 @@
+"""Per-segment lifting: a module whose work is per segment, traced once on a single segment.
+
+Some modules loop over the pieces of a packed input in Python — Hugging Face's vision attention splits
+q, k, v with ``torch.split(..., lengths.tolist())`` — so no symbolic trace of the whole batch can go
+through them: the number of pieces and their lengths are data. But their work is a polynomial P(s) of
+one piece's length s, so over a batch it is Σᵢ P(sᵢ) = Σₖ cₖ·pₖ with the segment power sums pₖ.
+
+``per_segment={"visual.blocks.*.attn": "cu_seqlens"}`` names such modules (``fnmatch`` patterns over
+module paths) and the forward argument holding their cumulative offsets. During the capture each
+matching module's ``forward`` is temporarily replaced by a stand-in that:
+
+1. traces the real forward once on **one segment**, in a fake mode of its own: every tensor argument
+   whose dim 0 is the packed length gets the symbol ``s`` there; the offsets are a 2-element fake
+   tensor whose values the code reads (``.tolist()``/``.item()`` give data-dependent sizes) are
+   resolved by evaluating that slice of the graph on ``[0, s]``;
+2. returns ``fxflops::per_segment`` marker nodes into the outer graph, shaped like the real outputs and
+   carrying the packed input and the offsets, so that the Program bills P as Σₖ cₖ·pₖ of the offsets'
+   segment family (see ``capture/segments.py``).
+
+Modules of one type and parameter shapes called the same way are traced once. A single-segment trace
+that relies on a guard (which would have to hold for every piece) is refused. Rows past the last
+offset would be processed but not billed, so the offsets must cover the packed length exactly (the
+binder checks it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import inspect
+import operator
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import sympy
+import torch
+import torch.utils._pytree as pytree
+from torch._dynamo.source import ConstantSource
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
+from torch.fx.experimental.symbolic_shapes import DimDynamic
+
+from fxflops.errors import CaptureError
+
+SEGMENT = sympy.Symbol("s", integer=True, positive=True)
+
+
+@torch.library.custom_op("fxflops::per_segment", mutates_args=())
+def per_segment_marker(
+    packed: torch.Tensor, offsets: torch.Tensor, shape: list[int], dtype: torch.dtype, bill: bool
+) -> torch.Tensor:
+    """A lifted module's output inside a captured graph (``bill``: this node carries its FLOPs)."""
+    raise RuntimeError("fxflops::per_segment only exists inside a capture")
+
+
+@per_segment_marker.register_fake
+def _(packed, offsets, shape, dtype, bill):
+    return packed.new_empty(shape, dtype=dtype)
+
+
+@dataclass(frozen=True)
+class Lifted:
+    """A lifted module's single-segment trace; ``in_s`` maps its sizes to expressions in ``s``."""
+
+    graph_module: torch.fx.GraphModule
+    in_s: Any
+
+
+class _OffsetsValues:
+    """Values read from the offsets in a single-segment trace, evaluated on ``[0, s]``."""
+
+    _SAME = {"_to_copy", "clone", "detach", "alias", "contiguous", "view", "reshape", "_unsafe_view", "lift_fresh_copy"}
+    _ARITHMETIC = {"sub": operator.sub, "add": operator.add, "mul": operator.mul}
+
+    def __init__(self, graph: torch.fx.Graph, offsets: torch.fx.Node) -> None:
+        self.values: dict[torch.fx.Node, Any] = {offsets: [sympy.Integer(0), SEGMENT]}
+        self.unbacked: dict[sympy.Symbol, sympy.Expr] = {}
+        for node in graph.nodes:
+            if node.op == "call_function" and any(isinstance(a, torch.fx.Node) and a in self.values for a in node.args):
+                value = self._evaluate(node)
+                if value is not None:
+                    self.values[node] = value
+
+    def _evaluate(self, node: torch.fx.Node) -> Any:
+        target = node.target
+        name = getattr(getattr(target, "overloadpacket", None), "__name__", getattr(target, "__name__", ""))
+        args = [self.values.get(a) if isinstance(a, torch.fx.Node) else a for a in node.args]
+        x = args[0]
+        if name in self._SAME:
+            return x
+        if name == "slice" and isinstance(x, list) and args[1] == 0:
+            start = args[2] if len(args) > 2 and args[2] is not None else 0
+            end = args[3] if len(args) > 3 and args[3] is not None else len(x)
+            return x[start : min(end, len(x))]
+        if name in self._ARITHMETIC and isinstance(x, list):
+            op, y = self._ARITHMETIC[name], args[1]
+            return [op(a, b) for a, b in zip(x, y)] if isinstance(y, list) else [op(a, y) for a in x]
+        if name == "select" and isinstance(x, list) and args[1] == 0:
+            return x[args[2]]
+        if name == "unbind" and isinstance(x, list):
+            return list(x)
+        if name == "getitem" and isinstance(x, list):
+            return x[args[1]]
+        if name == "sum" and isinstance(x, list):
+            return sympy.Add(*x)
+        if name == "_local_scalar_dense" and isinstance(x, sympy.Expr):
+            val = node.meta.get("val")
+            if isinstance(val, torch.SymInt) and isinstance(val.node.expr, sympy.Symbol):
+                self.unbacked[val.node.expr] = x
+            return x
+        return None
+
+
+def _hint(size: Any) -> int:
+    return int(size.node.hint) if isinstance(size, torch.SymInt) else int(size)
+
+
+def _same_size(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.SymInt) and isinstance(b, torch.SymInt):
+        return a.node.expr == b.node.expr
+    return isinstance(a, int) and isinstance(b, int) and a == b
+
+
+def trace_segment(module: torch.nn.Module, path: str, bound: inspect.BoundArguments, offsets_name: str) -> tuple[Lifted, list]:
+    """Trace ``module`` on one segment of symbolic length ``s`` (see the module docstring).
+
+    Returns the trace and, per tensor output, its (shape in ``s``, dtype).
+    """
+    from fxflops.capture.shape_env import BlamingShapeEnv
+    from fxflops.capture.trace import trace_graph
+
+    packed = next(v for v in pytree.tree_leaves((bound.args, bound.kwargs)) if isinstance(v, torch.Tensor))
+    rows = packed.shape[0]
+    env = BlamingShapeEnv()
+    mode = FakeTensorMode(shape_env=env, allow_non_fake_inputs=True)
+    source = ConstantSource("s")
+    hint = max(_hint(rows), 2)
+    sym = env.create_symbol(hint, source, DimDynamic.DYNAMIC, positive=None, do_not_specialize_zero_one=True)
+    s = env.create_symintnode(sym, hint=hint, source=source)
+    offsets = bound.arguments.get(offsets_name)
+    if not isinstance(offsets, torch.Tensor):
+        raise CaptureError(f"per-segment module {path!r}: argument {offsets_name!r} is not a tensor of offsets")
+
+    def one_segment(value: Any) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return value
+        if value is offsets:
+            return torch.empty(2, dtype=value.dtype, device=value.device)
+        sizes = [_hint(d) for d in value.shape]
+        if value.dim() and _same_size(value.shape[0], rows):
+            sizes[0] = s
+        return torch.empty(sizes, dtype=value.dtype, device=value.device)
+
+    with mode:
+        args, kwargs = pytree.tree_map(one_segment, (bound.args, bound.kwargs))
+    fake_offsets = next(
+        f for f, v in zip(pytree.tree_leaves((args, kwargs)), pytree.tree_leaves((bound.args, bound.kwargs))) if v is offsets
+    )
+    gm = trace_graph(module, mode, args, kwargs)
+    inputs = [v for v in pytree.tree_leaves((args, kwargs)) if isinstance(v, torch.Tensor)]
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    offsets_node = placeholders[next(i for i, t in enumerate(inputs) if t is fake_offsets)]
+    resolved = _OffsetsValues(gm.graph, offsets_node).unbacked
+    conditions = [g.expr.xreplace({sym: SEGMENT}) for g in env.guards]
+    conditions = [c for c in conditions if c is not sympy.true]  # e.g. s >= 0 holds for any length
+    if conditions:
+        raise CaptureError(
+            f"per-segment module {path!r} relies on conditions on the segment length "
+            f"({[str(c) for c in conditions]}) that fxflops cannot check for every segment"
+        )
+
+    def in_s(size: Any) -> sympy.Expr:
+        expr = size.node.expr if isinstance(size, torch.SymInt) else sympy.Integer(size)
+        return sympy.expand(env.replace(expr).xreplace(resolved).xreplace({sym: SEGMENT}))
+
+    output = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    outs = [(tuple(in_s(d) for d in o.meta["val"].shape), o.meta["val"].dtype) for o in output]
+    return Lifted(gm, in_s), outs
+
+
+@contextlib.contextmanager
+def install_stand_ins(model: torch.nn.Module, patterns: dict[str, str]) -> Iterator[dict[str, Lifted]]:
+    """Replace the forward of every module matching ``patterns`` by a lifting stand-in for the
+    duration of a capture; yields ``{module path: Lifted}`` filled as the capture calls them."""
+    lifted: dict[str, Lifted] = {}
+    if not patterns:
+        yield lifted
+        return
+    matches = {
+        path: (module, offsets)
+        for path, module in model.named_modules()
+        for pattern, offsets in patterns.items()
+        if path and fnmatch.fnmatchcase(path, pattern)
+    }
+    unmatched = [p for p in patterns if not any(fnmatch.fnmatchcase(path, p) for path in matches)]
+    if unmatched:
+        raise CaptureError(f"per_segment pattern(s) {unmatched} match no module of {type(model).__name__}")
+    cache: dict[tuple, tuple[Lifted, list]] = {}
+    for path, (module, offsets_name) in matches.items():
+        module.forward = _stand_in(module, path, offsets_name, lifted, cache)
+    try:
+        yield lifted
+    finally:
+        for module, _ in matches.values():
+            del module.forward
+
+
+def _stand_in(module: torch.nn.Module, path: str, offsets_name: str, lifted: dict, cache: dict) -> Any:
+    from fxflops.capture.trace import TENSOR
+
+    signature = inspect.signature(type(module).forward.__get__(module))
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        bound = signature.bind(*args, **kwargs)
+        key = (
+            type(module),
+            tuple(tuple(p.shape) for p in module.parameters()),
+            tuple(
+                (type(v).__name__, v.dtype, v.dim()) if isinstance(v, torch.Tensor) else repr(v)
+                for v in pytree.tree_leaves((bound.args, bound.kwargs))
+            ),
+        )
+        if key not in cache:
+            del module.forward  # the single-segment trace runs the real forward
+            try:
+                with disable_proxy_modes_tracing(), unset_fake_temporarily():
+                    cache[key] = trace_segment(module, path, bound, offsets_name)
+            finally:
+                module.forward = forward
+        lifted[path], outs = cache[key]
+        packed = next(v for v in pytree.tree_leaves((bound.args, bound.kwargs)) if isinstance(v, torch.Tensor))
+        offsets = bound.arguments[offsets_name]
+        markers = []
+        for i, (shape, dtype) in enumerate(outs):
+            sizes = []
+            for d in shape:
+                if d == SEGMENT:
+                    sizes.append(packed.shape[0])
+                elif d.is_Integer:
+                    sizes.append(int(d))
+                else:
+                    raise CaptureError(f"per-segment module {path!r} returns a dim {d} that is not the segment length")
+            markers.append(per_segment_marker(packed, offsets, sizes, dtype, i == 0))
+        spec, leaves = lifted[path].graph_module.meta["output_structure"]
+        tensors = iter(markers)
+        return pytree.tree_unflatten([next(tensors) if leaf is TENSOR else leaf for leaf in leaves], spec)
+
+    return forward

@@ -1,0 +1,107 @@
+"""Per-segment lifting: modules that loop over packed segments in Python, traced on one segment.
+
+The subject is the example VLM with ``attention="loop"``: attention split by ``lengths.tolist()`` as
+Hugging Face's vision attention does. Reference: FlopCounterMode on that same model and batch.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+
+import pytest
+import sympy
+import torch
+from torch import nn
+
+import fxflops
+from fxflops.models.tiny_vlm import TinyVLM, VLMConfig, random_batch
+from reference import reference_counts
+
+CFG = replace(VLMConfig(), attention="loop")
+DIMS = {"input_ids": {1: "tokens"}, "pixel_values": {0: "patches"}}
+PER_SEGMENT = {"visual.blocks.*.attn": "cu_seqlens", "language_model.layers.*.self_attn": "cu_seqlens"}
+SEGMENTS = {"cu_seqlens": "text", "image_grid_thw": "frames"}
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return TinyVLM(CFG)
+
+
+def test_looping_attention_does_not_trace_without_lifting(model):
+    with pytest.raises(fxflops.CaptureError, match=r"tiny_vlm.py:\d+ in packed_attention.*per_segment="):
+        fxflops.trace(model, random_batch(CFG, random.Random(0)).inputs(), dims=DIMS)
+
+
+def test_lifted_modules_equal_flopcountermode_on_random_batches(model):
+    wrapper = fxflops.instrument(
+        model, dims=DIMS, segments=SEGMENTS, per_segment=PER_SEGMENT, on_miss="raise", strict=True
+    )
+    rng = random.Random(4)
+    for draw in range(30):
+        batch = random_batch(CFG, rng, images=(1, 6), sequences=(1, 20))
+        expected = reference_counts(model, *batch.inputs())
+        wrapper.flops.reset()
+        with torch.no_grad():
+            wrapper(*batch.inputs())
+        got = wrapper.flops.breakdown()
+        for path, flops in expected.items():
+            assert got[path] == flops, (draw, path)
+    assert wrapper.captures == 1
+
+
+def test_lifted_formula_is_the_varlen_formula(model):
+    """P(s) per segment summed over segments: with exact cover, p1 = the packed length, and the
+    formula equals the one traced through the varlen op in one piece."""
+    batch = random_batch(CFG, random.Random(5))
+    lifted = fxflops.trace(model, batch.inputs(), dims=DIMS, segments=SEGMENTS, per_segment=PER_SEGMENT)
+    varlen_model = TinyVLM(replace(CFG, attention="varlen"))
+    whole = fxflops.trace(varlen_model, batch.inputs(), dims=DIMS, segments=SEGMENTS)
+    names = {str(s): s for s in lifted.symbols}
+    covered = lifted.formula().subs({names["text_p1"]: names["tokens"], names["frames_p1"]: names["patches"]})
+    assert sympy.expand(covered - whole.formula()) == 0
+    assert {"text_p1", "frames_p1", "text_p2", "frames_p2"} <= set(names)
+
+
+def test_lifted_modules_need_offsets_that_cover_every_row(model):
+    """A per-segment module processes every packed row but is billed per segment: padding past
+    the last offset would go unbilled, so it is refused, naming the input."""
+    program = fxflops.trace(model, random_batch(CFG, random.Random(6)).inputs(), dims=DIMS, per_segment=PER_SEGMENT)
+    padded = random_batch(CFG, random.Random(7), padding=5)
+    with pytest.raises(fxflops.MetadataError, match="'cu_seqlens'.*cover"):
+        program.count(*padded.inputs())
+
+
+def test_lifting_refuses_a_module_with_conditions_on_the_segment_length():
+    class Branchy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x, cu_seqlens):
+            chunks = torch.split(x, (cu_seqlens[1:] - cu_seqlens[:-1]).tolist())
+            return torch.cat([self.fc(c) if c.shape[0] > 3 else c for c in chunks])
+
+    class Outer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = Branchy()
+
+        def forward(self, x, cu_seqlens):
+            return self.inner(x, cu_seqlens)
+
+    x, cu = torch.randn(10, 4), torch.tensor([0, 4, 10])
+    with pytest.raises(fxflops.CaptureError, match="conditions on the segment length"):
+        fxflops.trace(Outer(), (x, cu), per_segment={"inner": "cu_seqlens"})
+
+
+def test_unmatched_pattern_is_an_error(model):
+    with pytest.raises(fxflops.CaptureError, match="match no module"):
+        fxflops.trace(model, random_batch(CFG, random.Random(8)).inputs(), per_segment={"vision.*": "cu_seqlens"})
+
+
+def test_capture_leaves_no_stand_in_behind(model):
+    fxflops.trace(model, random_batch(CFG, random.Random(9)).inputs(), dims=DIMS, per_segment=PER_SEGMENT)
+    assert all("forward" not in vars(m) for m in model.modules())
