@@ -119,8 +119,9 @@ def _graph_terms(
     phase: str = "fwd",
 ) -> tuple[list[Term], list[Unsupported]]:
     """Apply the rule of every op node in ``graph`` (see the module docstring); ``named`` maps a
-    traced size to the public symbols, ``prefix`` is the module path the graph's root sits at."""
-    terms, unsupported = [], []
+    traced size to the public symbols, ``prefix`` is the module path the graph's root sits at.
+    Returns terms, unsupported ops, and notes on how some ops were counted."""
+    terms, unsupported, notes = [], [], []
     for node in graph.nodes:
         if node.op != "call_function" or node.target is operator.getitem:
             continue
@@ -156,7 +157,25 @@ def _graph_terms(
             )
         if flops != 0:
             terms.append(Term(node.name, str(op), path, phase, flops))
-    return terms, unsupported
+            notes += _mask_notes(node, path)
+    return terms, unsupported, notes
+
+
+_MASK_ARGUMENTS = ("attn_mask", "attn_bias")
+
+
+def _mask_notes(node: torch.fx.Node, path: str) -> list[str]:
+    """Attention given a dense mask is counted as the dense work its kernel does; say so."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return []
+    given = dict(zip((a.name for a in schema.arguments), node.args)) | dict(node.kwargs)
+    return [
+        f"{path or '<root>'}: {node.target} has a mask ({name}); counted as the dense work the kernel does, "
+        "masked entries included (a block-diagonal mask over packed sequences costs (Σsᵢ)² here, not Σsᵢ²)"
+        for name in _MASK_ARGUMENTS
+        if isinstance(given.get(name), torch.fx.Node)
+    ]
 
 
 def _lifted_terms(
@@ -174,7 +193,7 @@ def _lifted_terms(
     except ValueError as exc:
         raise CaptureError(str(exc)) from exc
     lengths.covers(named(marker.args[0].meta["val"].shape[0]))
-    inner, unsupported = _graph_terms(
+    inner, unsupported, _ = _graph_terms(
         lifted.graph_module.graph, lifted.in_s, {SEGMENT}, SegmentAnalysis.empty(), {}, path, phase
     )
     if unsupported:
@@ -191,7 +210,7 @@ def _lifted_terms(
 
 def terms_of(
     captured: Captured, segments: SegmentAnalysis, phase: str = "fwd"
-) -> tuple[list[Term], list[Unsupported]]:
+) -> tuple[list[Term], list[Unsupported], list[str]]:
     """Terms of every node of a capture, lifted per-segment modules included."""
     return _graph_terms(
         captured.graph_module.graph, captured.named, set(captured.symbols.values()), segments, captured.lifted, "", phase
@@ -213,8 +232,9 @@ class Program:
 
     Attributes: ``symbols`` (free sympy symbols, sorted by name: input dims and segment power sums
     ``<family>_p<k>``), ``families`` (segment families, see :meth:`describe_symbols`), ``terms`` (per
-    node), ``unsupported`` (ops with no rule), ``guards`` (conditions the polynomials need), ``tree``
-    (networkx DiGraph of module paths).
+    node), ``unsupported`` (ops with no rule), ``guards`` (conditions the polynomials need), ``notes``
+    (how some ops were counted, e.g. masked dense attention), ``tree`` (networkx DiGraph of module
+    paths).
     """
 
     def __init__(
@@ -228,6 +248,7 @@ class Program:
         families: list[Family] = (),
     ) -> None:
         self.terms = terms
+        self.notes: list[str] = []
         self.families = list(families)
         self.unsupported = unsupported
         self.all_symbols = tuple(sorted(symbols, key=str))  # what the binder reads, in order
@@ -254,7 +275,7 @@ class Program:
         graph = captured.graph_module.graph
         placeholders = [n for n in graph.nodes if n.op == "placeholder"]
         analysis = SegmentAnalysis(graph, dict(zip(placeholders, captured.placeholder_paths)), segments or {})
-        terms, unsupported = terms_of(captured, analysis)
+        terms, unsupported, notes = terms_of(captured, analysis)
         if captured.assumptions() != captured.assumptions_at_capture:
             raise CaptureError("internal error: the FLOPs analysis added a guard on the traced sizes; please report")
         for op in sorted({u.op for u in unsupported}):
@@ -269,7 +290,9 @@ class Program:
         symbols = tuple(sorted([*captured.symbols.values(), *stats], key=str))
         binder = Binder(model.forward, captured.input_dims, symbols, stats, strict_metadata)
         families = sorted({family.name: family for family, _ in stats.values()}.values(), key=lambda f: f.name)
-        return cls(terms, unsupported, symbols, captured.guards, (n for n, _ in model.named_modules()), binder, families)
+        program = cls(terms, unsupported, symbols, captured.guards, (n for n, _ in model.named_modules()), binder, families)
+        program.notes = list(dict.fromkeys(notes))
+        return program
 
     # ---- compilation to the monomial basis -------------------------------------------------
     def _compile(self) -> None:
@@ -397,6 +420,7 @@ class Program:
                     {"node": u.node, "op": u.op, "module": u.module}
                     for u in self.unsupported
                 ],
+                "notes": self.notes,
             },
             indent=2,
         )

@@ -49,7 +49,9 @@ def program_table(program: Program, depth: int | None, values: dict[str, Any]) -
         rows = [[_label(p), str(program.formula(p))] for p in modules]
         header = ["module", "formula"]
         title = "FLOPs formulas in " + ", ".join(str(s) for s in program.symbols)
-    return f"{title} (1 multiply-add = 2 FLOPs, FlopCounterMode convention)\n" + render(header, rows)
+    notes = "".join(f"\nnote: {n}" for n in program.notes)
+    unsupported = "".join(f"\nNOT COUNTED (no rule): {u}" for u in program.unsupported)
+    return f"{title} (1 multiply-add = 2 FLOPs, FlopCounterMode convention)\n" + render(header, rows) + notes + unsupported
 
 
 def meter_table(breakdown: dict[str, int]) -> str:

@@ -151,3 +151,22 @@ def test_vision_cost_follows_per_frame_squares_not_total_patches(models):
     for batch, got in ((one, big), (video, clip)):
         assert got["visual"] == reference_counts(reference, *batch.inputs())["visual"]
     assert wrapper.captures == 1
+
+
+def test_block_diagonal_mask_on_dense_sdpa_is_counted_dense_and_reported():
+    """A boolean block-diagonal mask makes dense SDPA compute only within sequences numerically, but
+    the kernel still does the full (Σs)² work: counted as such (FlopCounterMode's MATH reference
+    agrees), and the program says so in its notes and table."""
+
+    class MaskedPacked(torch.nn.Module):
+        def forward(self, q, k, v, mask):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+    lengths = [3, 5, 4]
+    total = sum(lengths)
+    mask = torch.block_diag(*(torch.ones(n, n, dtype=torch.bool) for n in lengths))
+    q = torch.randn(1, 2, total, 8)
+    program = fxflops.trace(MaskedPacked(), (q, q, q, mask), dims={"q": {2: "t"}, "k": {2: "t"}, "v": {2: "t"}, "mask": {0: "t", 1: "t"}})
+    assert program.total(t=total) == reference_counts(MaskedPacked(), q, q, q, mask)[""] == 4 * 2 * total * total * 8
+    assert any("has a mask (attn_mask)" in note for note in program.notes)
+    assert "note:" in program.table(t=total)
