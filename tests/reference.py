@@ -26,3 +26,18 @@ def reference_counts(model: torch.nn.Module, *args, **kwargs) -> dict[str, int]:
         counts[path] = sum(per_op.values())
     counts.setdefault("", counter.get_total_flops())
     return counts
+
+
+def count_and_compare(
+    wrapper, reference_model: torch.nn.Module, inputs: tuple, label: object
+) -> tuple[dict[str, int], dict[str, int]]:
+    """Count one call with an ``instrument()`` wrapper and assert every module FlopCounterMode
+    tracks in ``reference_model`` has the same FLOPs; returns (fxflops' breakdown, the reference)."""
+    expected = reference_counts(reference_model, *inputs)
+    wrapper.flops.reset()
+    with torch.no_grad():
+        wrapper(*inputs)
+    got = wrapper.flops.breakdown()
+    for path, flops in expected.items():
+        assert got[path] == flops, (label, path)
+    return got

@@ -12,7 +12,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 
 import fxflops
-from reference import reference_counts
+from reference import count_and_compare
 from zoo import CASES
 
 DRAWS_PER_MODEL = 45  # 5 models -> 225 random shapes
@@ -29,15 +29,8 @@ def test_forward_flops_equal_flopcountermode(case):
     @given(case.shapes)
     def check(shapes):
         inputs = case.make(shapes)
-        expected = reference_counts(model, *inputs)
-        wrapper.flops.reset()
-        with torch.no_grad():
-            wrapper(*inputs)
-        got = wrapper.flops.breakdown()
-        assert wrapper.flops.total() == expected[""], shapes
-        assert wrapper.program.count(*inputs) == expected[""], shapes
-        for path, flops in expected.items():
-            assert got[path] == flops, (shapes, path)
+        got, expected = count_and_compare(wrapper, model, inputs, shapes)
+        assert wrapper.program.count(*inputs) == got[""] == wrapper.flops.total() == expected[""]
         for path in {p for p, v in got.items() if v} - set(expected):
             # FlopCounterMode only tracks modules whose forward runs; fxflops also rolls up the
             # containers that are never called (ModuleList, ModuleDict) as the sum of their children.

@@ -16,7 +16,7 @@ import torch
 
 import fxflops
 from fxflops.models.tiny_vlm import TinyVLM, VLMConfig, random_batch
-from reference import reference_counts
+from reference import count_and_compare, reference_counts
 
 CFG = VLMConfig()
 DIMS = {"input_ids": {1: "tokens"}, "pixel_values": {0: "patches"}}
@@ -40,13 +40,7 @@ def test_random_microbatches_equal_flopcountermode_per_module(models):
     for draw in range(100):
         batch = random_batch(CFG, rng, images=(1, 8), frames=(1, 3), sequences=(1, 32), padding=rng.choice([0, 0, 3, 17]))
         images_seen.add(len(batch.image_grid_thw))
-        expected = reference_counts(reference, *batch.inputs())
-        wrapper.flops.reset()
-        with torch.no_grad():
-            wrapper(*batch.inputs())
-        got = wrapper.flops.breakdown()
-        for path, flops in expected.items():
-            assert got[path] == flops, (draw, path)
+        count_and_compare(wrapper, reference, batch.inputs(), draw)
     assert wrapper.captures == 1, "one capture serves every image count, resolution and packing"
     assert len(images_seen) >= 6
 
