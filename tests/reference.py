@@ -40,4 +40,4 @@ def count_and_compare(
     got = wrapper.flops.breakdown()
     for path, flops in expected.items():
         assert got[path] == flops, (label, path)
-    return got
+    return got, expected
