@@ -23,7 +23,7 @@ from fxflops.errors import (
 )
 from fxflops.instrument import Instrumented, instrument
 from fxflops.meter import Meter
-from fxflops.program import Program, Term, Unsupported
+from fxflops.program import Program, Term, Unsupported, backward_rule
 
 
 def trace(
@@ -35,6 +35,7 @@ def trace(
     segments: dict[str, str] | None = None,
     per_segment: dict[str, str] | None = None,
     strict_metadata: bool = False,
+    backward: bool | str = False,
 ) -> Program:
     """Trace ``model(*args, **kwargs)`` once with symbolic sizes and return its FLOPs :class:`Program`.
 
@@ -53,11 +54,17 @@ def trace(
     ``{"visual.blocks.*.attn": "cu_seqlens"}``: each is traced once on one segment of length ``s`` and
     billed Σₖ cₖ·pₖ. ``strict_metadata`` also validates metadata on accelerators (a host sync); metadata
     on the CPU is always validated.
+
+    ``backward=True`` (or ``"traced"``) captures the joint forward+backward graph: terms are tagged
+    ``fwd``, ``bwd`` or ``recompute`` (activation checkpointing) and ``total(phase=...)`` selects them;
+    frozen parameters and inputs without grad change the backward exactly as autograd does.
+    ``backward="2x"`` adds twice each forward term instead (the rule formula-based tools use).
     """
     if not isinstance(args, tuple):
         args = (args,)
-    captured = capture(model, args, kwargs, dims, per_segment=per_segment)
-    return Program.from_capture(captured, model, segments, strict_metadata)
+    rule = backward_rule(backward)
+    captured = capture(model, args, kwargs, dims, per_segment=per_segment, backward=rule == "traced")
+    return Program.from_capture(captured, model, segments, strict_metadata, rule)
 
 
 __all__ = [

@@ -19,11 +19,12 @@ import warnings
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 
 from fxflops.capture.trace import capture
 from fxflops.errors import CaptureError, FxFlopsError, GuardError, InputError
 from fxflops.meter import Meter
-from fxflops.program import Program
+from fxflops.program import Program, backward_rule
 
 ON_MISS = ("recapture", "raise")
 
@@ -38,6 +39,7 @@ class Instrumented(torch.nn.Module):
         segments: dict[str, str] | None,
         per_segment: dict[str, str] | None,
         strict_metadata: bool,
+        backward: bool | str,
         on_miss: str,
         strict: bool,
         max_programs: int,
@@ -55,6 +57,7 @@ class Instrumented(torch.nn.Module):
         self.dims = dims
         self.segments = segments
         self.per_segment = per_segment
+        self.backward = backward_rule(backward)
         self.strict_metadata = strict_metadata
         self.on_miss = on_miss
         self.strict = strict
@@ -83,8 +86,9 @@ class Instrumented(torch.nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         out = self.model(*args, **kwargs)
+        training = self.backward != "none" and torch.is_grad_enabled() and _requires_grad(out)
         try:
-            self._count(args, kwargs)
+            self._count(args, kwargs, training)
         except FxFlopsError as exc:
             if self.strict or (self.on_miss == "raise" and isinstance(exc, GuardError)):
                 raise
@@ -92,7 +96,7 @@ class Instrumented(torch.nn.Module):
             self._warn_once(str(exc))
         return out
 
-    def _count(self, args: tuple, kwargs: dict) -> None:
+    def _count(self, args: tuple, kwargs: dict, training: bool = False) -> None:
         miss = "no program captured yet"
         for program in self.programs:
             try:
@@ -101,7 +105,7 @@ class Instrumented(torch.nn.Module):
                 miss = str(exc)
                 continue
             if program.within_guards(*values):
-                self.flops.add(program, program.monomials(*values))
+                self.flops.add(program, program.monomials(*values), training)
                 return
             miss = program.explain_guard_failure(values)
         if self.programs and self.on_miss == "raise":
@@ -116,20 +120,33 @@ class Instrumented(torch.nn.Module):
             raise CaptureError(self._failed[key])
         try:
             captured = capture(
-                self.model, args, kwargs, self.dims, allow_pins=bool(self.programs), per_segment=self.per_segment
+                self.model,
+                args,
+                kwargs,
+                self.dims,
+                allow_pins=bool(self.programs),
+                per_segment=self.per_segment,
+                backward=self.backward == "traced",
             )
         except CaptureError as exc:
             self._failed[key] = str(exc)  # do not re-trace the same shapes on every call
             raise
-        program = Program.from_capture(captured, self.model, self.segments, self.strict_metadata)
+        program = Program.from_capture(captured, self.model, self.segments, self.strict_metadata, self.backward)
         self.captures += 1
         self.programs.append(program)
-        self.flops.add(program, program.monomials(*program.binder.values(args, kwargs)))
+        self.flops.add(program, program.monomials(*program.binder.values(args, kwargs)), training)
 
     def _warn_once(self, message: str) -> None:
         if message not in self._warned:
             self._warned.add(message)
             warnings.warn(f"fxflops: call not counted: {message}", stacklevel=3)
+
+
+def _requires_grad(out: Any) -> bool:
+    """True if any tensor in the output requires grad (so a backward can follow this forward)."""
+    if isinstance(out, torch.Tensor):
+        return out.requires_grad
+    return any(isinstance(t, torch.Tensor) and t.requires_grad for t in pytree.tree_leaves(out))
 
 
 def _shape_key(args: tuple, kwargs: dict) -> tuple:
@@ -147,13 +164,19 @@ def instrument(
     segments: dict[str, str] | None = None,
     per_segment: dict[str, str] | None = None,
     strict_metadata: bool = False,
+    backward: bool | str = False,
     on_miss: str = "recapture",
     strict: bool = False,
     max_programs: int = 8,
 ) -> Instrumented:
     """Wrap ``model`` so every call adds its FLOPs to ``wrapper.flops`` (see module docstring).
 
-    ``dims``, ``segments``, ``per_segment`` and ``strict_metadata`` as for :func:`fxflops.trace`
-    (``dims=None``: every input dim free unless the code pins it; segment families found automatically).
+    ``dims``, ``segments``, ``per_segment``, ``strict_metadata`` and ``backward`` as for
+    :func:`fxflops.trace` (``dims=None``: every input dim free unless the code pins it; segment
+    families found automatically). With ``backward``, a call made with grad enabled whose output
+    requires grad counts its backward (and recompute) too, on the assumption that a backward from its
+    output follows; a forward under ``torch.no_grad()`` counts the forward only.
     """
-    return Instrumented(model, dims, segments, per_segment, strict_metadata, on_miss, strict, max_programs)
+    return Instrumented(
+        model, dims, segments, per_segment, strict_metadata, backward, on_miss, strict, max_programs
+    )

@@ -18,38 +18,51 @@ if TYPE_CHECKING:
 
 
 class Meter:
-    """FLOPs accumulated over calls: ``total()``, ``breakdown()``, ``reset()``, ``calls``."""
+    """FLOPs accumulated over calls: ``total(phase=None)``, ``breakdown(depth, phase)``, ``reset()``.
+
+    A call is added either as a training call (every phase its program has: forward, backward,
+    recompute) or as a forward-only call (an inference forward: only ``fwd`` counts).
+    """
 
     def __init__(self) -> None:
-        self._sums: dict[int, tuple[Program, list[int]]] = {}
+        self._sums: dict[tuple[int, bool], tuple[Program, list[int], bool]] = {}
         self.calls = 0
         self.uncounted = 0
 
-    def add(self, program: Program, monomials: tuple[int, ...]) -> None:
-        """Add one call's monomial vector for ``program``."""
-        entry = self._sums.get(id(program))
+    def add(self, program: Program, monomials: tuple[int, ...], training: bool = True) -> None:
+        """Add one call's monomial vector for ``program`` (``training=False``: forward only)."""
+        entry = self._sums.get((id(program), training))
         if entry is None:
-            self._sums[id(program)] = (program, list(monomials))
+            self._sums[(id(program), training)] = (program, list(monomials), training)
         else:
             acc = entry[1]
             for i, m in enumerate(monomials):
                 acc[i] += m
         self.calls += 1
 
-    def _on_host(self) -> list[tuple[Program, list[int]]]:
-        """Each program's accumulator as Python ints (one device-to-host copy per device)."""
-        return [(program, _to_host(acc)) for program, acc in self._sums.values()]
+    def _on_host(self) -> list[tuple[Program, list[int], bool]]:
+        """Each accumulator as Python ints (one device-to-host copy per device)."""
+        return [(program, _to_host(acc), training) for program, acc, training in self._sums.values()]
+
+    @staticmethod
+    def _phase(phase: str | None, training: bool) -> str | tuple[str, ...] | None:
+        """The phases a kind of call contributes to a query for ``phase``."""
+        if training:
+            return phase
+        return ("fwd",) if phase in (None, "fwd") else ()
 
     def total(self, phase: str | None = None) -> int:
         """FLOPs of every counted call since the last reset (all phases unless ``phase``)."""
-        return sum(program.evaluate(acc, "", phase) for program, acc in self._on_host())
+        return sum(
+            program.evaluate(acc, "", self._phase(phase, training)) for program, acc, training in self._on_host()
+        )
 
     def breakdown(self, depth: int | None = None, phase: str | None = None) -> dict[str, int]:
         """Inclusive FLOPs per module path accumulated since the last reset."""
         out: dict[str, int] = {}
-        for program, acc in self._on_host():
+        for program, acc, training in self._on_host():
             for path in program.modules(depth):
-                out[path] = out.get(path, 0) + program.evaluate(acc, path, phase)
+                out[path] = out.get(path, 0) + program.evaluate(acc, path, self._phase(phase, training))
         return out
 
     def reset(self) -> None:

@@ -28,6 +28,7 @@ import torch
 from fxflops.binder import Binder, python_source
 from fxflops.capture.inputs import path_label
 from fxflops.capture.lifting import SEGMENT, Lifted
+from fxflops.capture.phases import phase_of
 from fxflops.capture.segments import Family, SegmentAnalysis
 from fxflops.capture.trace import Captured, Guard
 from fxflops.errors import CaptureError, GuardError, UnboundSymbolError
@@ -35,7 +36,15 @@ from fxflops.rules import rule_for, segment_args
 from fxflops.rules.not_counted import is_not_counted, touches_floats
 
 PHASES = ("fwd", "bwd", "recompute")
+BACKWARD_RULES = ("none", "traced", "2x")
 PER_SEGMENT = torch.ops.fxflops.per_segment.default
+
+
+def backward_rule(backward: bool | str) -> str:
+    """``False`` -> ``"none"``, ``True`` -> ``"traced"``; ``"traced"``/``"2x"``/``"none"`` as they are."""
+    if isinstance(backward, bool):
+        return "traced" if backward else "none"
+    return backward
 
 
 @dataclass(frozen=True)
@@ -116,16 +125,22 @@ def _graph_terms(
     segments: SegmentAnalysis,
     lifted: dict[str, Lifted],
     prefix: str = "",
-    phase: str = "fwd",
-) -> tuple[list[Term], list[Unsupported]]:
+) -> tuple[list[Term], list[Unsupported], list[str]]:
     """Apply the rule of every op node in ``graph`` (see the module docstring); ``named`` maps a
     traced size to the public symbols, ``prefix`` is the module path the graph's root sits at.
-    Returns terms, unsupported ops, and notes on how some ops were counted."""
+    Backward nodes belong to the module of the forward op they differentiate (same autograd
+    sequence number). Returns terms, unsupported ops, and notes on how some ops were counted."""
     terms, unsupported, notes = [], [], []
+    forward_module: dict[int, str] = {}
+    for node in graph.nodes:  # the first forward node of a sequence number is the op autograd recorded
+        if node.op == "call_function" and phase_of(node) == "fwd" and "seq_nr" in node.meta:
+            forward_module.setdefault(node.meta["seq_nr"], module_path(node))
     for node in graph.nodes:
         if node.op != "call_function" or node.target is operator.getitem:
             continue
-        op, path = node.target, _join(prefix, module_path(node))
+        phase = phase_of(node)
+        own = forward_module.get(node.meta.get("seq_nr"), "") if phase == "bwd" else module_path(node)
+        op, path = node.target, _join(prefix, own)
         where = f"{op} in module {path or '<root>'!r}"
         if op is PER_SEGMENT:
             if node.args[4]:  # the first output of a lifted module's call carries its FLOPs
@@ -194,7 +209,7 @@ def _lifted_terms(
         raise CaptureError(str(exc)) from exc
     lengths.covers(named(marker.args[0].meta["val"].shape[0]))
     inner, unsupported, _ = _graph_terms(
-        lifted.graph_module.graph, lifted.in_s, {SEGMENT}, SegmentAnalysis.empty(), {}, path, phase
+        lifted.graph_module.graph, lifted.in_s, {SEGMENT}, SegmentAnalysis.empty(), {}, path
     )
     if unsupported:
         raise CaptureError(f"per-segment module {path!r} runs ops without a FLOPs rule: {sorted({u.op for u in unsupported})}")
@@ -208,12 +223,10 @@ def _lifted_terms(
     return terms
 
 
-def terms_of(
-    captured: Captured, segments: SegmentAnalysis, phase: str = "fwd"
-) -> tuple[list[Term], list[Unsupported], list[str]]:
+def terms_of(captured: Captured, segments: SegmentAnalysis) -> tuple[list[Term], list[Unsupported], list[str]]:
     """Terms of every node of a capture, lifted per-segment modules included."""
     return _graph_terms(
-        captured.graph_module.graph, captured.named, set(captured.symbols.values()), segments, captured.lifted, "", phase
+        captured.graph_module.graph, captured.named, set(captured.symbols.values()), segments, captured.lifted
     )
 
 
@@ -249,6 +262,7 @@ class Program:
     ) -> None:
         self.terms = terms
         self.notes: list[str] = []
+        self.backward = "none"
         self.families = list(families)
         self.unsupported = unsupported
         self.all_symbols = tuple(sorted(symbols, key=str))  # what the binder reads, in order
@@ -269,13 +283,21 @@ class Program:
         model: torch.nn.Module,
         segments: dict[str, str] | None = None,
         strict_metadata: bool = False,
+        backward: str = "none",
     ) -> Program:
         """Rules applied to a capture. ``segments`` names segment families by input label
-        (``{"cu_seqlens": "text"}``); ``strict_metadata`` also validates device metadata (a sync)."""
+        (``{"cu_seqlens": "text"}``); ``strict_metadata`` also validates device metadata (a sync);
+        ``backward`` says where backward terms come from: ``"traced"`` (the capture's own backward
+        graph), ``"2x"`` (twice each forward term, the convention of formula-based tools) or
+        ``"none"``."""
+        if backward not in BACKWARD_RULES:
+            raise ValueError(f"backward must be one of {BACKWARD_RULES}, not {backward!r}")
         graph = captured.graph_module.graph
         placeholders = [n for n in graph.nodes if n.op == "placeholder"]
         analysis = SegmentAnalysis(graph, dict(zip(placeholders, captured.placeholder_paths)), segments or {})
         terms, unsupported, notes = terms_of(captured, analysis)
+        if backward == "2x":
+            terms += [Term(f"{t.node}.2x", t.op, t.module, "bwd", 2 * t.flops) for t in terms if t.phase == "fwd"]
         if captured.assumptions() != captured.assumptions_at_capture:
             raise CaptureError("internal error: the FLOPs analysis added a guard on the traced sizes; please report")
         for op in sorted({u.op for u in unsupported}):
@@ -292,6 +314,7 @@ class Program:
         families = sorted({family.name: family for family, _ in stats.values()}.values(), key=lambda f: f.name)
         program = cls(terms, unsupported, symbols, captured.guards, (n for n, _ in model.named_modules()), binder, families)
         program.notes = list(dict.fromkeys(notes))
+        program.backward = backward
         return program
 
     # ---- compilation to the monomial basis -------------------------------------------------
@@ -348,9 +371,12 @@ class Program:
         shown = ", ".join(f"{s}={v}" for s, v in subs.items())
         return f"{shown} break the trace's guard(s): " + "; ".join(map(str, broken))
 
-    def evaluate(self, monomial_sums: tuple[int, ...] | list[int], module: str = "", phase: str | None = None) -> int:
-        """``C[module, phase] · m`` for accumulated monomials ``m`` (all phases when ``phase`` is None)."""
-        phases = PHASES if phase is None else (phase,)
+    def evaluate(
+        self, monomial_sums: tuple[int, ...] | list[int], module: str = "", phase: str | tuple[str, ...] | None = None
+    ) -> int:
+        """``C[module, phase] · m`` for accumulated monomials ``m`` (all phases when ``phase`` is None;
+        a tuple sums several)."""
+        phases = PHASES if phase is None else (phase,) if isinstance(phase, str) else phase
         total = 0
         for ph in phases:
             for col, coeff in self.rows.get((module, ph), ()):

@@ -51,7 +51,13 @@ def program_table(program: Program, depth: int | None, values: dict[str, Any]) -
         title = "FLOPs formulas in " + ", ".join(str(s) for s in program.symbols)
     notes = "".join(f"\nnote: {n}" for n in program.notes)
     unsupported = "".join(f"\nNOT COUNTED (no rule): {u}" for u in program.unsupported)
-    return f"{title} (1 multiply-add = 2 FLOPs, FlopCounterMode convention)\n" + render(header, rows) + notes + unsupported
+    backward = {
+        "none": "forward only",
+        "traced": "forward + backward traced from the autograd graph (+ recompute)",
+        "2x": "forward + backward by the 2x-forward rule",
+    }[program.backward]
+    convention = f"1 multiply-add = 2 FLOPs, FlopCounterMode convention, {backward}"
+    return f"{title} ({convention})\n" + render(header, rows) + notes + unsupported
 
 
 def meter_table(breakdown: dict[str, int]) -> str:

@@ -8,8 +8,13 @@ heads, causal not halved, exactly the convention fxflops follows). No number com
 
 from __future__ import annotations
 
+import contextlib
+import copy
+
 import torch
+import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.utils import flop_counter
 from torch.utils.flop_counter import FlopCounterMode
 
 
@@ -41,3 +46,137 @@ def count_and_compare(
     for path, flops in expected.items():
         assert got[path] == flops, (label, path)
     return got, expected
+
+
+@contextlib.contextmanager
+def flop_counter_with_cpu_attention():
+    """FlopCounterMode with the CPU flash attention kernels counted by torch's own SDPA formulas.
+
+    FlopCounterMode registers no formula for ``_scaled_dot_product_flash_attention_for_cpu`` and its
+    backward, so it counts them as 0 (wrong: the kernels do the full work). This registers torch's
+    ``sdpa_flop_count`` / ``sdpa_backward_flop_count`` for them for the duration of the block.
+    """
+    aten = torch.ops.aten
+
+    def forward(query, key, value, *args, out_shape=None, **kwargs):
+        return flop_counter.sdpa_flop_count(query, key, value)
+
+    def backward(grad_out, query, key, value, *args, out_shape=None, **kwargs):
+        return flop_counter.sdpa_backward_flop_count(grad_out, query, key, value)
+
+    ops = {
+        aten._scaled_dot_product_flash_attention_for_cpu: forward,
+        aten._scaled_dot_product_flash_attention_for_cpu_backward: backward,
+    }
+    for op, formula in ops.items():
+        flop_counter.flop_registry[op] = flop_counter.shape_wrapper(formula)
+    try:
+        yield
+    finally:
+        for op in ops:
+            del flop_counter.flop_registry[op]
+
+
+class GroupsAsSeparateConvs(torch.nn.Module):
+    """A grouped convolution computed as one groups=1 convolution per group (the same arithmetic).
+
+    FlopCounterMode's grouped-conv backward counts the weight gradient ``groups`` times too often;
+    for groups=1 convolutions it is right, so this is the reference form of a grouped conv.
+    """
+
+    def __init__(self, conv: torch.nn.modules.conv._ConvNd) -> None:
+        super().__init__()
+        self.conv = conv
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        conv, g = self.conv, self.conv.groups
+        xs, ws = x.chunk(g, dim=1), conv.weight.chunk(g, dim=1 if conv.transposed else 0)
+        bias = conv.bias.chunk(g) if conv.bias is not None else [None] * g
+        if conv.transposed:
+            fn = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}[x.dim() - 2]
+            outs = [fn(xi, wi, bi, conv.stride, conv.padding, conv.output_padding, 1, conv.dilation) for xi, wi, bi in zip(xs, ws, bias)]
+        else:
+            fn = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}[x.dim() - 2]
+            outs = [fn(xi, wi, bi, conv.stride, conv.padding, conv.dilation, 1) for xi, wi, bi in zip(xs, ws, bias)]
+        return torch.cat(outs, dim=1)
+
+
+def degrouped(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` with every grouped convolution as separate per-group convolutions (a deep copy when
+    something inside is replaced)."""
+    if isinstance(model, torch.nn.modules.conv._ConvNd) and model.groups > 1:
+        return GroupsAsSeparateConvs(model)
+    if not any(isinstance(m, torch.nn.modules.conv._ConvNd) and m.groups > 1 for m in model.modules()):
+        return model
+    model = copy.deepcopy(model)
+    for name, module in list(model.named_modules()):
+        if isinstance(module, torch.nn.modules.conv._ConvNd) and module.groups > 1:
+            parent, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, attr, GroupsAsSeparateConvs(module))
+    return model
+
+
+def training_reference_counts(model: torch.nn.Module, *args) -> dict[str, int]:
+    """Per-module FLOPs of forward + ``loss.backward()`` (loss = sum of the float outputs) from
+    FlopCounterMode, with CPU attention counted and grouped convolutions degrouped (see above)."""
+    reference = degrouped(model)
+    with flop_counter_with_cpu_attention(), FlopCounterMode(display=False) as counter:
+        out = reference(*args)
+        sum(t.float().sum() for t in torch.utils._pytree.tree_leaves(out) if torch.is_tensor(t) and t.is_floating_point()).backward()
+    root = type(reference).__name__
+    counts = {}
+    for name, per_op in counter.get_flop_counts().items():
+        if name == "Global":
+            continue
+        path = "" if name == root else name[len(root) + 1 :]
+        counts[path.removesuffix(".conv")] = counts.get(path.removesuffix(".conv"), 0) + sum(per_op.values())
+    counts[""] = counter.get_total_flops()
+    return counts
+
+
+def _clone_leaf(value):
+    if torch.is_tensor(value):
+        return value.detach().clone().requires_grad_(value.requires_grad)
+    return value
+
+
+def per_module_training_reference(model: torch.nn.Module, *args) -> dict[str, int]:
+    """Forward + backward FLOPs of every module, each measured on its own.
+
+    FlopCounterMode's per-module backward attribution is a heuristic (a module counts as "in
+    backward" from its output gradients to its input gradients, so sibling branches such as k_proj and
+    v_proj absorb each other's backward). Here every module call of a real forward + backward is
+    recorded (inputs with their requires_grad, and which outputs really received a gradient), then
+    replayed alone under FlopCounterMode (CPU attention counted, grouped convolutions degrouped) with a
+    backward from exactly those outputs. A module called twice sums both calls. The root is the
+    whole-model count of ``training_reference_counts``.
+    """
+    calls = []
+
+    def record(module, call_args, call_kwargs, output):
+        path = names[module]
+        outputs = [t for t in torch.utils._pytree.tree_leaves(output) if torch.is_tensor(t)]
+        got_grad = [False] * len(outputs)
+        for i, t in enumerate(outputs):
+            if t.requires_grad:
+                t.register_hook(lambda grad, i=i: got_grad.__setitem__(i, True))
+        calls.append((path, module, torch.utils._pytree.tree_map(_clone_leaf, (call_args, call_kwargs)), got_grad))
+
+    names = {m: n for n, m in model.named_modules()}
+    handles = [m.register_forward_hook(record, with_kwargs=True) for m in model.modules() if m is not model]
+    try:
+        out = model(*args)
+        sum(t.float().sum() for t in torch.utils._pytree.tree_leaves(out) if torch.is_tensor(t) and t.is_floating_point()).backward()
+    finally:
+        for h in handles:
+            h.remove()
+    counts = {"": training_reference_counts(model, *args)[""]}
+    for path, module, (call_args, call_kwargs), got_grad in calls:
+        alone = degrouped(module)
+        with flop_counter_with_cpu_attention(), FlopCounterMode(display=False) as counter:
+            outputs = [t for t in torch.utils._pytree.tree_leaves(alone(*call_args, **call_kwargs)) if torch.is_tensor(t)]
+            roots = [t for t, g in zip(outputs, got_grad) if g and t.requires_grad]
+            if roots:
+                torch.autograd.backward(roots, [torch.ones_like(t) for t in roots])
+        counts[path] = counts.get(path, 0) + counter.get_total_flops()
+    return counts

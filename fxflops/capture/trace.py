@@ -26,6 +26,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import DimDynamic
 
 from fxflops.capture.lifting import Lifted, install_stand_ins
+from fxflops.capture.phases import run_backward, tagging_recompute
 from fxflops.capture.inputs import DimSpec, Path, bind_call, resolve_dims, tensor_leaves
 from fxflops.capture.shape_env import BlamingShapeEnv, format_location, is_library_file
 from fxflops.errors import CaptureError, InputError, PinnedSymbolError
@@ -150,8 +151,11 @@ def _no_stack_traces() -> Iterator[None]:
         torch.fx.config.do_not_emit_stack_traces = before
 
 
-def trace_graph(model: torch.nn.Module, mode: FakeTensorMode, args: tuple, kwargs: dict) -> torch.fx.GraphModule:
-    """``make_fx`` of ``model(*args, **kwargs)`` whose tensors are fakes of ``mode``.
+def trace_graph(
+    model: torch.nn.Module, mode: FakeTensorMode, args: tuple, kwargs: dict, backward: bool = False
+) -> torch.fx.GraphModule:
+    """``make_fx`` of ``model(*args, **kwargs)`` whose tensors are fakes of ``mode``; with
+    ``backward``, also of the backward from its outputs (see ``capture/phases.py``).
 
     Parameters and buffers enter as static-shaped fake placeholders, swapped in with
     ``functional_call``: the model's real state is never read for compute nor mutated (e.g.
@@ -178,11 +182,16 @@ def trace_graph(model: torch.nn.Module, mode: FakeTensorMode, args: tuple, kwarg
         out = torch.func.functional_call(model, swapped, call_args, call_kwargs, strict=False)
         out_leaves, spec = pytree.tree_flatten(out)
         structure.extend([spec, [TENSOR if isinstance(x, torch.Tensor) else x for x in out_leaves]])
-        return [x for x in out_leaves if isinstance(x, torch.Tensor)]
+        outputs = [x for x in out_leaves if isinstance(x, torch.Tensor)]
+        if backward:
+            floating = [x for x in outputs if x.dtype.is_floating_point]
+            return outputs + run_backward(floating, list(flat))
+        return outputs
 
     run._orig_mod = model  # make_fx records nn_module_stack relative to this root
     try:
-        with fx_config.patch(backed_size_oblivious=True), _no_stack_traces(), mode:
+        phases = tagging_recompute() if backward else contextlib.nullcontext()
+        with fx_config.patch(backed_size_oblivious=True), _no_stack_traces(), phases, mode:
             gm = make_fx(
                 run, tracing_mode="symbolic", _allow_non_fake_inputs=True, record_module_stack=True
             )(*(leaves[i] for i in slots), *fake_state)
@@ -217,6 +226,7 @@ def capture(
     dims: dict[str, dict[int, str]] | None = None,
     allow_pins: bool = False,
     per_segment: dict[str, str] | None = None,
+    backward: bool = False,
 ) -> Captured:
     """Trace ``model(*args, **kwargs)`` once with the ``dims`` as free symbols (see module doc).
 
@@ -224,6 +234,7 @@ def capture(
     (every dim free unless pinned, like ``Dim.AUTO``) or ``allow_pins`` (a re-capture for a call
     outside an earlier program's guards: the pin becomes a guard of the new branch).
     ``per_segment`` lifts modules whose work is per segment (see ``capture/lifting.py``).
+    ``backward`` captures the joint forward+backward graph (see ``capture/phases.py``).
     """
     kwargs = kwargs or {}
     named = bind_call(model.forward, args, kwargs)
@@ -241,7 +252,7 @@ def capture(
         lambda v: fake_by_id[id(v)] if isinstance(v, torch.Tensor) else v, (args, kwargs)
     )
     with install_stand_ins(model, per_segment or {}) as lifted:
-        gm = trace_graph(model, mode, call_args, call_kwargs)
+        gm = trace_graph(model, mode, call_args, call_kwargs, backward)
     pinned = _check_free(env, env_syms, strict=dims is not None and not allow_pins)
     env_to_named = {sym: named_symbol(name) for name, sym in env_syms.items()}
     path_of = {id(tensor): path for path, tensor in tensors.items()}

@@ -48,6 +48,9 @@ _NOT_COUNTED_NAMES = frozenset(
     # randomness and dropout
     "native_dropout native_dropout_backward bernoulli bernoulli_ rand rand_like randn randn_like "
     "randint randint_like randperm uniform uniform_ normal normal_ "
+    # backward of data movement and indexing
+    "slice_backward select_backward index_select_backward diagonal_backward unfold_backward "
+    "as_strided_scatter expand_copy "
     # losses (their matmul-free arithmetic)
     "nll_loss_forward nll_loss_backward nll_loss2d_forward nll_loss2d_backward mse_loss "
     "mse_loss_backward binary_cross_entropy binary_cross_entropy_with_logits smooth_l1_loss "

@@ -1,0 +1,159 @@
+"""Training FLOPs: forward + backward (+ recompute) from the traced autograd graph.
+
+References: FlopCounterMode on a real forward + ``loss.backward()`` (CPU flash attention counted with
+torch's own SDPA formulas, grouped convolutions as per-group convolutions, see ``reference.py``);
+per module, every module call replayed alone under FlopCounterMode (its own per-module backward
+attribution is a heuristic that lets sibling modules absorb each other's backward).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+import fxflops
+from fxflops.models.tiny_gpt import GPTConfig, TinyGPT
+from reference import per_module_training_reference, training_reference_counts
+from zoo import CASES
+
+DRAWS_PER_MODEL = 20  # 5 models -> 100 random shapes
+
+
+def train_step(wrapper, inputs) -> dict[str, int]:
+    wrapper.flops.reset()
+    out = wrapper(*inputs)
+    sum(t.float().sum() for t in torch.utils._pytree.tree_leaves(out) if torch.is_tensor(t) and t.is_floating_point()).backward()
+    return wrapper.flops.breakdown()
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_forward_backward_flops_equal_flopcountermode(case):
+    torch.manual_seed(0)
+    model = case.factory()
+    wrapper = fxflops.instrument(model, dims=case.dims, backward=True, on_miss="raise", strict=True)
+
+    @settings(max_examples=DRAWS_PER_MODEL, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(case.shapes)
+    def check(shapes):
+        inputs = case.make(shapes)
+        got = train_step(wrapper, inputs)
+        expected = per_module_training_reference(model, *inputs)
+        for path, flops in expected.items():
+            assert got[path] == flops, (shapes, path)
+
+    check()
+    assert wrapper.captures == 1
+    assert not wrapper.program.unsupported
+
+
+def test_phases_split_the_total():
+    model = TinyGPT(GPTConfig(vocab=100, hidden=32, heads=2, kv_heads=1, ffn=48, layers=2))
+    ids = torch.randint(0, 100, (2, 9))
+    program = fxflops.trace(model, (ids,), dims={"input_ids": {0: "b", 1: "s"}}, backward=True)
+    values = {"b": 3, "s": 17}
+    fwd, bwd = program.total(phase="fwd", **values), program.total(phase="bwd", **values)
+    assert program.total(phase="recompute", **values) == 0
+    assert fwd + bwd == program.total(**values) == training_reference_counts(model, torch.randint(0, 100, (3, 17)))[""]
+    forward_only = fxflops.trace(model, (ids,), dims={"input_ids": {0: "b", 1: "s"}})
+    assert forward_only.total(**values) == fwd
+    assert "backward traced" in program.table(**values)
+
+
+def test_two_x_rule_is_available_and_named():
+    model = TinyGPT(GPTConfig(vocab=100, hidden=32, heads=2, kv_heads=1, ffn=48, layers=1))
+    ids = torch.randint(0, 100, (2, 9))
+    program = fxflops.trace(model, (ids,), dims={"input_ids": {0: "b", 1: "s"}}, backward="2x")
+    assert program.total(phase="bwd", b=2, s=9) == 2 * program.total(phase="fwd", b=2, s=9)
+    assert "2x-forward rule" in program.table(b=2, s=9)
+
+
+def test_forward_under_no_grad_counts_forward_only():
+    model = TinyGPT(GPTConfig(vocab=100, hidden=32, heads=2, kv_heads=1, ffn=48, layers=1))
+    wrapper = fxflops.instrument(model, backward=True)
+    ids = torch.randint(0, 100, (2, 9))
+    with torch.no_grad():
+        wrapper(ids)
+    assert wrapper.flops.total(phase="bwd") == 0
+    assert wrapper.flops.total() == wrapper.program.total(phase="fwd", input_ids_0=2, input_ids_1=9)
+    wrapper(ids)
+    assert wrapper.flops.total(phase="bwd") == wrapper.program.total(phase="bwd", input_ids_0=2, input_ids_1=9)
+
+
+def test_partially_frozen_model_counts_only_the_gradients_autograd_computes():
+    """Layer 0 frozen: no weight gradients there, but input gradients (the embedding below trains);
+    layer 1 and the head train fully. Reference: every module replayed alone with the same
+    requires_grad on its parameters and inputs."""
+    torch.manual_seed(0)
+    model = TinyGPT(GPTConfig(vocab=100, hidden=32, heads=2, kv_heads=1, ffn=48, layers=2))
+    for p in model.layers[0].parameters():
+        p.requires_grad_(False)
+    ids = torch.randint(0, 100, (2, 11))
+    wrapper = fxflops.instrument(model, backward=True)
+    got = train_step(wrapper, (ids,))
+    expected = per_module_training_reference(model, ids)
+    for path, flops in expected.items():
+        assert got[path] == flops, path
+    frozen_q = wrapper.program.formula("layers.0.attn.q_proj", phase="bwd")
+    trained_q = wrapper.program.formula("layers.1.attn.q_proj", phase="bwd")
+    assert 2 * frozen_q == trained_q  # input gradient only vs input + weight gradient
+
+
+class Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(width, 2 * width)
+        self.down = nn.Linear(2 * width, width)
+
+    def forward(self, x):
+        return x + self.down(F.gelu(self.up(x)))
+
+
+def _save_matmuls(ctx, op, *args, **kwargs):
+    """Selective checkpointing policy: keep matmul outputs, recompute everything else."""
+    return CheckpointPolicy.MUST_SAVE if op in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default) else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+class Checkpointed(nn.Module):
+    """Four blocks: plain, non-reentrant checkpoint, reentrant checkpoint, selective checkpoint."""
+
+    def __init__(self, width: int = 24, use_checkpoint: bool = True) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(width) for _ in range(4))
+        self.use_checkpoint = use_checkpoint
+
+    def forward(self, x):
+        x = self.blocks[0](x)
+        if not self.use_checkpoint:
+            return self.blocks[3](self.blocks[2](self.blocks[1](x)))
+        x = checkpoint(self.blocks[1], x, use_reentrant=False)
+        x = checkpoint(self.blocks[2], x, use_reentrant=True)
+        context = functools.partial(create_selective_checkpoint_contexts, _save_matmuls)
+        return checkpoint(self.blocks[3], x, use_reentrant=False, context_fn=context)
+
+
+@pytest.mark.parametrize("rows", [5, 13, 40])
+def test_checkpointing_adds_recompute_and_leaves_model_flops_unchanged(rows):
+    torch.manual_seed(0)
+    model = Checkpointed()
+    plain = Checkpointed(use_checkpoint=False)
+    plain.load_state_dict(model.state_dict())
+    x = torch.randn(rows, 24, requires_grad=True)
+    wrapper = fxflops.instrument(model, dims={"x": {0: "rows"}}, backward=True)
+    wrapper.flops.reset()
+    train_step(wrapper, (x,))
+    hardware = training_reference_counts(model, x)[""]  # FlopCounterMode sees the recomputation too
+    model_flops = training_reference_counts(plain, x)[""]
+    meter = wrapper.flops
+    assert meter.total() == hardware
+    assert meter.total(phase="fwd") + meter.total(phase="bwd") == model_flops
+    assert meter.total(phase="recompute") == hardware - model_flops > 0
+    recompute = meter.breakdown(phase="recompute")
+    assert recompute["blocks.0"] == 0
+    assert recompute["blocks.1"] > 0 and recompute["blocks.2"] > 0
+    assert recompute["blocks.3"] == 0  # selective checkpointing saved the matmuls: none recomputed
