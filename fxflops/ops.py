@@ -23,13 +23,13 @@ def _segments(cu: torch.Tensor) -> list[tuple[int, int]]:
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
-    """One segment: (s, H, D) inputs -> (s, H, Dv), GQA by repeating the kv heads."""
+    """One segment: (s, H, D) inputs -> (s, H, Dv), GQA by repeating the kv heads. Inputs go to SDPA
+    as (1, H, s, D), which selects the fused CPU kernel (its backward recomputes QKᵀ, as the FLOPs
+    rule counts) rather than the math fallback taken for 3-d inputs."""
     groups = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=causal
-    )
-    return out.transpose(0, 1)
+    q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal)[0].transpose(0, 1)
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

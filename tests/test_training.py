@@ -157,3 +157,30 @@ def test_checkpointing_adds_recompute_and_leaves_model_flops_unchanged(rows):
     assert recompute["blocks.0"] == 0
     assert recompute["blocks.1"] > 0 and recompute["blocks.2"] > 0
     assert recompute["blocks.3"] == 0  # selective checkpointing saved the matmuls: none recomputed
+
+
+def test_example_vlm_forward_backward_equals_flopcountermode():
+    """The packed VLM with fxflops' varlen op, fwd+bwd from one capture, against FlopCounterMode on
+    the same batches run with SDPA per segment (the kernel the varlen op runs, CPU attention counted
+    with torch's formulas), total and per top-level module (each module replayed alone)."""
+    import random
+    from dataclasses import replace
+
+    from fxflops.models.tiny_vlm import TinyVLM, VLMConfig, random_batch
+
+    cfg = VLMConfig(vision_layers=1, layers=1)
+    torch.manual_seed(0)
+    model = TinyVLM(cfg)
+    reference = TinyVLM(replace(cfg, attention="loop_sdpa"))
+    reference.load_state_dict(model.state_dict())
+    wrapper = fxflops.instrument(
+        model, dims={"input_ids": {1: "tokens"}, "pixel_values": {0: "patches"}}, backward=True, on_miss="raise", strict=True
+    )
+    rng = random.Random(0)
+    for draw in range(12):
+        batch = random_batch(cfg, rng, images=(1, 5), sequences=(1, 12), padding=rng.choice([0, 4]))
+        got = train_step(wrapper, batch.inputs())
+        expected = per_module_training_reference(reference, *batch.inputs())
+        for path in ("", "visual", "language_model", "lm_head", "visual.blocks.0.attn"):
+            assert got[path] == expected[path], (draw, path)
+    assert wrapper.captures == 1

@@ -14,7 +14,8 @@ Inputs: ``input_ids (1, T)``, ``cu_seqlens (n+1,)`` (offsets of the packed seque
 
 ``attention="varlen"`` runs :func:`fxflops.ops.varlen_attention`; ``attention="loop"`` computes the same
 attention as explicit per-segment matmuls (``.tolist()`` on the offsets), which FlopCounterMode can
-count: the independent reference of the tests. Rotary position embeddings are left out: they cost no
+count: the independent reference of the tests; ``attention="loop_sdpa"`` runs SDPA per segment (the
+kernel the varlen op uses, with its fused backward). Rotary position embeddings are left out: they cost no
 matmul FLOPs.
 """
 
@@ -58,12 +59,13 @@ def packed_attention(q, k, v, cu_seqlens, causal: bool, impl: str) -> torch.Tens
     """Attention within each segment of packed (total, heads, dim) q/k/v (GQA by kv-head groups).
 
     ``impl="loop"`` splits the rows by ``lengths.tolist()`` as Hugging Face's vision attention does
-    (the last chunk is the padding past ``cu_seqlens[-1]``, output zero) and runs explicit matmuls.
+    (the last chunk is the padding past ``cu_seqlens[-1]``, output zero) and runs explicit matmuls;
+    ``impl="loop_sdpa"`` runs ``scaled_dot_product_attention`` on each chunk instead.
     """
     if impl == "varlen":
         return varlen_attention(q, k, v, cu_seqlens, cu_seqlens, causal)
-    if impl != "loop":
-        raise ValueError(f"attention must be 'varlen' or 'loop', not {impl!r}")
+    if impl not in ("loop", "loop_sdpa"):
+        raise ValueError(f"attention must be 'varlen', 'loop' or 'loop_sdpa', not {impl!r}")
     lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
     padding = q.shape[0] - sum(lengths)
     sizes = [*lengths, padding]
@@ -73,6 +75,10 @@ def packed_attention(q, k, v, cu_seqlens, causal: bool, impl: str) -> torch.Tens
         qs = qs.transpose(0, 1)  # (heads, s, dim)
         ks = ks.repeat_interleave(groups, dim=1).transpose(0, 1)
         vs = vs.repeat_interleave(groups, dim=1).transpose(0, 1)
+        if impl == "loop_sdpa":  # 4-d inputs: the fused CPU kernel, as the varlen op uses
+            attended = F.scaled_dot_product_attention(qs[None], ks[None], vs[None], is_causal=causal)[0]
+            outs.append(attended.transpose(0, 1))
+            continue
         scores = torch.matmul(qs, ks.transpose(1, 2)) / qs.shape[-1] ** 0.5
         if causal:
             future = torch.ones(qs.shape[1], qs.shape[1], dtype=torch.bool, device=q.device).triu(1)

@@ -50,6 +50,7 @@ _NOT_COUNTED_NAMES = frozenset(
     "randint randint_like randperm uniform uniform_ normal normal_ "
     # backward of data movement and indexing
     "slice_backward select_backward index_select_backward diagonal_backward unfold_backward "
+    "masked_scatter_backward "
     "as_strided_scatter expand_copy "
     # losses (their matmul-free arithmetic)
     "nll_loss_forward nll_loss_backward nll_loss2d_forward nll_loss2d_backward mse_loss "
