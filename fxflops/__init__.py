@@ -11,7 +11,8 @@ from typing import Any
 import torch
 
 from fxflops import rules
-from fxflops.capture.trace import capture
+from fxflops.capture.compile import CountingBackend
+from fxflops.capture.trace import capture as _capture
 from fxflops.errors import (
     CaptureError,
     FxFlopsError,
@@ -63,8 +64,22 @@ def trace(
     if not isinstance(args, tuple):
         args = (args,)
     rule = backward_rule(backward)
-    captured = capture(model, args, kwargs, dims, per_segment=per_segment, backward=rule == "traced")
+    captured = _capture(model, args, kwargs, dims, per_segment=per_segment, backward=rule == "traced")
     return Program.from_capture(captured, model, segments, strict_metadata, rule)
+
+
+def backend(
+    inner: str | Any = "inductor",
+    *,
+    model: torch.nn.Module | None = None,
+    backward: bool = True,
+    strict: bool = False,
+) -> CountingBackend:
+    """A ``torch.compile`` backend counting every compiled graph's FLOPs into ``.flops`` (a Meter),
+    wrapping the registered backend ``inner`` whose output it leaves unchanged; see
+    :mod:`fxflops.capture.compile`. Give the compiled ``model`` so that graphs compiled from a
+    submodule's frame (after a graph break) are attributed to that submodule's path."""
+    return CountingBackend(inner, backward, strict, model)
 
 
 __all__ = [
@@ -80,6 +95,7 @@ __all__ = [
     "Term",
     "UnboundSymbolError",
     "Unsupported",
+    "backend",
     "instrument",
     "rules",
     "trace",

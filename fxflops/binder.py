@@ -46,7 +46,8 @@ class Binder:
     """Reads symbol values from calls of ``forward`` (see module docstring).
 
     ``dim_exprs`` maps each tensor input (by access path) to the traced expression of every one of its
-    dimensions; ``symbols`` is the order of the returned values.
+    dimensions (an integer input, such as a size a compiled graph takes, maps to one expression);
+    ``symbols`` is the order of the returned values.
     """
 
     def __init__(
@@ -156,8 +157,17 @@ class Binder:
         reads: dict[sympy.Symbol, str] = {}
         lines, checks = [], []
         for j, (path, exprs) in enumerate(self.dim_exprs.items()):
-            lines.append(f"    t{j} = {self._accessor(path, positions)}.shape")
             label = path_label(path)
+            if isinstance(exprs, sympy.Expr):  # an integer argument (a size a compiled graph takes)
+                lines.append(f"    t{j} = {self._accessor(path, positions)}")
+                if exprs in var and exprs not in reads:
+                    reads[exprs] = f"t{j}"
+                    lines.append(f"    {var[exprs]} = t{j}")
+                else:
+                    want = python_source(exprs, var)
+                    checks.append(f"    if t{j} != {want}: _fail({label!r}, 'value', {str(exprs)!r}, t{j})")
+                continue
+            lines.append(f"    t{j} = {self._accessor(path, positions)}.shape")
             lines.append(f"    if len(t{j}) != {len(exprs)}: _fail({label!r}, None, {len(exprs)}, len(t{j}))")
             expected = {}
             for d, expr in enumerate(exprs):
@@ -275,7 +285,9 @@ def _fail_dims(label: str, shape: Any, wanted: tuple[tuple[int, int, str], ...])
             _fail(label, dim, expr, shape[dim])
 
 
-def _fail(label: str, dim: int | None, expected: Any, actual: Any) -> None:
+def _fail(label: str, dim: int | str | None, expected: Any, actual: Any) -> None:
+    if dim == "value":
+        raise InputError(f"input {label!r} is {actual}; the program was traced with {expected}")
     if dim is None:
         raise InputError(f"input {label!r} has rank {actual}; the program was traced with rank {expected}")
     raise InputError(

@@ -25,24 +25,26 @@ class Meter:
     """
 
     def __init__(self) -> None:
-        self._sums: dict[tuple[int, bool], tuple[Program, list[int], bool]] = {}
+        self._sums: dict[tuple[int, bool, str], tuple[Program, list[int], bool, str]] = {}
         self.calls = 0
         self.uncounted = 0
 
-    def add(self, program: Program, monomials: tuple[int, ...], training: bool = True) -> None:
-        """Add one call's monomial vector for ``program`` (``training=False``: forward only)."""
-        entry = self._sums.get((id(program), training))
+    def add(self, program: Program, monomials: tuple[int, ...], training: bool = True, prefix: str = "") -> None:
+        """Add one call's monomial vector for ``program`` (``training=False``: forward only).
+        ``prefix`` is the module path the program's root ran at (a compiled graph of a submodule)."""
+        key = (id(program), training, prefix)
+        entry = self._sums.get(key)
         if entry is None:
-            self._sums[(id(program), training)] = (program, list(monomials), training)
+            self._sums[key] = (program, list(monomials), training, prefix)
         else:
             acc = entry[1]
             for i, m in enumerate(monomials):
                 acc[i] += m
         self.calls += 1
 
-    def _on_host(self) -> list[tuple[Program, list[int], bool]]:
+    def _on_host(self) -> list[tuple[Program, list[int], bool, str]]:
         """Each accumulator as Python ints (one device-to-host copy per device)."""
-        return [(program, _to_host(acc), training) for program, acc, training in self._sums.values()]
+        return [(program, _to_host(acc), training, prefix) for program, acc, training, prefix in self._sums.values()]
 
     @staticmethod
     def _phase(phase: str | None, training: bool) -> str | tuple[str, ...] | None:
@@ -54,15 +56,21 @@ class Meter:
     def total(self, phase: str | None = None) -> int:
         """FLOPs of every counted call since the last reset (all phases unless ``phase``)."""
         return sum(
-            program.evaluate(acc, "", self._phase(phase, training)) for program, acc, training in self._on_host()
+            program.evaluate(acc, "", self._phase(phase, training)) for program, acc, training, _ in self._on_host()
         )
 
     def breakdown(self, depth: int | None = None, phase: str | None = None) -> dict[str, int]:
         """Inclusive FLOPs per module path accumulated since the last reset."""
         out: dict[str, int] = {}
-        for program, acc, training in self._on_host():
-            for path in program.modules(depth):
-                out[path] = out.get(path, 0) + program.evaluate(acc, path, self._phase(phase, training))
+        for program, acc, training, prefix in self._on_host():
+            phases = self._phase(phase, training)
+            for path in program.modules(None if depth is None else depth - _depth(prefix)):
+                full = ".".join(p for p in (prefix, path) if p)
+                out[full] = out.get(full, 0) + program.evaluate(acc, path, phases)
+            parts = prefix.split(".") if prefix else []
+            for ancestor in ["", *(".".join(parts[: i + 1]) for i in range(len(parts) - 1))]:
+                if prefix and (depth is None or _depth(ancestor) <= depth):  # roll a submodule's graph up
+                    out[ancestor] = out.get(ancestor, 0) + program.evaluate(acc, "", phases)
         return out
 
     def reset(self) -> None:
@@ -76,6 +84,10 @@ class Meter:
         from fxflops.report import meter_table
 
         return meter_table(self.breakdown(depth))
+
+
+def _depth(path: str) -> int:
+    return 0 if path == "" else path.count(".") + 1
 
 
 def _to_host(values: list[Any]) -> list[int]:

@@ -70,12 +70,19 @@ class Unsupported:
         return f"{self.op} (graph node {self.node}) in module {self.module or '<root>'!r}"
 
 
+_DYNAMO_ROOT = "L['self']"
+
+
 def module_path(node: torch.fx.Node) -> str:
-    """The path of the innermost ``nn.Module`` the node ran in (``""`` = the root)."""
+    """The path of the innermost ``nn.Module`` the node ran in (``""`` = the root). Dynamo names the
+    root ``L['self']`` (``L['self'].layers.0.attn``); that prefix is dropped."""
     stack = node.meta.get("nn_module_stack")
     if not stack:
         return ""
-    return next(reversed(stack.values()))[0]
+    path = next(reversed(stack.values()))[0]
+    if path.startswith(_DYNAMO_ROOT):
+        path = path[len(_DYNAMO_ROOT) :].lstrip(".")
+    return path
 
 
 def _as_rule_argument(value: Any, named: Callable[[Any], sympy.Expr]) -> Any:
@@ -269,9 +276,10 @@ class Program:
         self.guards = guards
         self.binder = binder
         self.tree = nx.DiGraph()
+        self.tree.add_node("")
         for path in [*module_paths, *(t.module for t in terms)]:
             chain = _ancestors(path)
-            nx.add_path(self.tree, chain) if len(chain) > 1 else self.tree.add_node("")
+            nx.add_path(self.tree, chain)
         self._compile()
         used = set().union(*(m.free_symbols for m in self.basis), *(g.expr.free_symbols for g in guards))
         self.symbols = tuple(s for s in self.all_symbols if s in used)
@@ -280,7 +288,7 @@ class Program:
     def from_capture(
         cls,
         captured: Captured,
-        model: torch.nn.Module,
+        model: torch.nn.Module | Callable[..., Any],
         segments: dict[str, str] | None = None,
         strict_metadata: bool = False,
         backward: str = "none",
@@ -310,9 +318,11 @@ class Program:
         by_name = {f.name: f for f in analysis.families.values()}
         stats = {by_name[name].power_sum(k): (by_name[name], k) for name, k in analysis.requested}
         symbols = tuple(sorted([*captured.symbols.values(), *stats], key=str))
-        binder = Binder(model.forward, captured.input_dims, symbols, stats, strict_metadata)
+        forward = model.forward if isinstance(model, torch.nn.Module) else model
+        binder = Binder(forward, captured.input_dims, symbols, stats, strict_metadata)
         families = sorted({family.name: family for family, _ in stats.values()}.values(), key=lambda f: f.name)
-        program = cls(terms, unsupported, symbols, captured.guards, (n for n, _ in model.named_modules()), binder, families)
+        paths = (n for n, _ in model.named_modules()) if isinstance(model, torch.nn.Module) else ()
+        program = cls(terms, unsupported, symbols, captured.guards, paths, binder, families)
         program.notes = list(dict.fromkeys(notes))
         program.backward = backward
         return program

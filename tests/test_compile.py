@@ -1,0 +1,100 @@
+"""The torch.compile backend: counts every graph Dynamo compiles, as instrument() counts the model."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+import fxflops
+from fxflops.models.tiny_gpt import Block, GPTConfig, TinyGPT
+
+CFG = GPTConfig(vocab=100, hidden=32, heads=2, kv_heads=1, ffn=48, layers=2)
+
+
+class BrokenBlock(Block):
+    """A decoder block with a graph break between attention and MLP."""
+
+    def forward(self, x):
+        x = x + self.attn(self.attn_norm(x))
+        torch._dynamo.graph_break()
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class BrokenGPT(TinyGPT):
+    """TinyGPT whose blocks break the graph: Dynamo compiles the model frame in pieces around the
+    block calls and each block's frame separately (one compiled graph reused by both blocks). The
+    layers are called without a loop: Dynamo cannot resume a frame inside a loop and would run the
+    whole model frame eagerly, which no backend sees."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__(cfg)
+        self.layers = torch.nn.ModuleList(BrokenBlock(cfg) for _ in range(2))
+
+    def forward(self, input_ids):
+        x = self.embed(input_ids)
+        x = self.layers[0](x)
+        x = self.layers[1](x)
+        return self.lm_head(self.norm(x))
+
+
+def shapes(n: int) -> list[tuple[int, int]]:
+    rng = random.Random(0)
+    return [(rng.randint(2, 4), rng.randint(2, 60)) for _ in range(n)]
+
+
+def test_backend_counts_equal_instrument_across_graph_breaks():
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    model = BrokenGPT(CFG)
+    counter = fxflops.backend("aot_eager", model=model, strict=True)
+    compiled = torch.compile(model, backend=counter, dynamic=True)
+    wrapper = fxflops.instrument(model, backward=True, strict=True)
+    for b, s in shapes(20):
+        ids = torch.randint(0, 100, (b, s))
+        counter.flops.reset()
+        wrapper.flops.reset()
+        compiled(ids).sum().backward()
+        wrapper(ids).sum().backward()
+        for phase in ("fwd", "bwd", None):
+            assert counter.flops.total(phase=phase) == wrapper.flops.total(phase=phase), (b, s, phase)
+        by_module = counter.flops.breakdown()
+        for path, flops in wrapper.flops.breakdown().items():
+            assert by_module.get(path, 0) == flops, (b, s, path)
+    assert counter.graphs >= 3, "the graph breaks give several graphs"
+    assert counter.flops.uncounted == 0
+
+
+def test_backend_adds_no_recompilation_and_keeps_outputs():
+    """Same shapes through the inner backend alone and through the counter: the same number of
+    compiled graphs, and bitwise the same outputs."""
+    torch.manual_seed(0)
+    model = BrokenGPT(CFG)
+    inner_calls = []
+
+    def inner(gm, example_inputs):
+        inner_calls.append(gm)
+        return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+
+    inputs = [torch.randint(0, 100, (b, s)) for b, s in shapes(8)]
+    torch._dynamo.reset()
+    plain = torch.compile(model, backend=inner, dynamic=True)
+    expected = [plain(ids) for ids in inputs]
+    alone = len(inner_calls)
+    torch._dynamo.reset()
+    counter = fxflops.backend(inner)
+    counted = torch.compile(model, backend=counter, dynamic=True)
+    for ids, out in zip(inputs, expected):
+        torch.testing.assert_close(counted(ids), out, rtol=0, atol=0)
+    assert len(inner_calls) - alone == alone  # the inner backend compiled the same graphs, no more
+
+
+def test_symbols_are_named_after_the_inputs():
+    torch._dynamo.reset()
+    counter = fxflops.backend("eager")
+    compiled = torch.compile(TinyGPT(CFG), backend=counter, dynamic=True)
+    with torch.no_grad():
+        compiled(torch.randint(0, 100, (3, 17)))
+    assert [str(s) for s in counter.programs[0].symbols] == ["input_ids_0", "input_ids_1"]
+    assert counter.flops.total(phase="bwd") == 0  # a no_grad forward counts the forward only
+    assert counter.flops.total() == fxflops.trace(TinyGPT(CFG), (torch.randint(0, 100, (3, 17)),)).total(input_ids_0=3, input_ids_1=17)
