@@ -59,6 +59,14 @@ class Meter:
             program.evaluate(acc, "", self._phase(phase, training)) for program, acc, training, _ in self._on_host()
         )
 
+    def model_flops(self) -> int:
+        """Forward + backward: the numerator of MFU (recomputation is not useful work)."""
+        return self.total(phase="fwd") + self.total(phase="bwd")
+
+    def hardware_flops(self) -> int:
+        """Forward + backward + activation-checkpointing recompute: the numerator of HFU."""
+        return self.total()
+
     def breakdown(self, depth: int | None = None, phase: str | None = None) -> dict[str, int]:
         """Inclusive FLOPs per module path accumulated since the last reset."""
         out: dict[str, int] = {}

@@ -150,8 +150,8 @@ def test_checkpointing_adds_recompute_and_leaves_model_flops_unchanged(rows):
     hardware = training_reference_counts(model, x)[""]  # FlopCounterMode sees the recomputation too
     model_flops = training_reference_counts(plain, x)[""]
     meter = wrapper.flops
-    assert meter.total() == hardware
-    assert meter.total(phase="fwd") + meter.total(phase="bwd") == model_flops
+    assert meter.total() == meter.hardware_flops() == hardware
+    assert meter.total(phase="fwd") + meter.total(phase="bwd") == meter.model_flops() == model_flops
     assert meter.total(phase="recompute") == hardware - model_flops > 0
     recompute = meter.breakdown(phase="recompute")
     assert recompute["blocks.0"] == 0
@@ -184,3 +184,32 @@ def test_example_vlm_forward_backward_equals_flopcountermode():
         for path in ("", "visual", "language_model", "lm_head", "visual.blocks.0.attn"):
             assert got[path] == expected[path], (draw, path)
     assert wrapper.captures == 1
+
+
+def test_frozen_vision_tower():
+    """Patch embedding and vision blocks frozen, merger trained: the blocks need no gradient at all
+    (nothing below them trains), the merger only its weight gradients, the language model everything.
+    Reference: every module replayed alone with the same requires_grad (SDPA per segment)."""
+    import random
+    from dataclasses import replace
+
+    from fxflops.models.tiny_vlm import TinyVLM, VLMConfig, random_batch
+
+    cfg = VLMConfig(vision_layers=1, layers=1)
+    torch.manual_seed(0)
+    model = TinyVLM(cfg)
+    reference = TinyVLM(replace(cfg, attention="loop_sdpa"))
+    reference.load_state_dict(model.state_dict())
+    for m in (model, reference):
+        for p in [*m.visual.patch_embed.parameters(), *m.visual.blocks.parameters()]:
+            p.requires_grad_(False)
+    wrapper = fxflops.instrument(model, dims={"input_ids": {1: "tokens"}, "pixel_values": {0: "patches"}}, backward=True)
+    batch = random_batch(cfg, random.Random(1), images=(2, 4))
+    got = train_step(wrapper, batch.inputs())
+    expected = per_module_training_reference(reference, *batch.inputs())
+    for path in ("", "visual", "visual.blocks.0", "visual.merger", "language_model", "lm_head"):
+        assert got[path] == expected[path], path
+    program = wrapper.program
+    assert program.formula("visual.blocks", phase="bwd") == 0
+    assert program.formula("visual.patch_embed", phase="bwd") == 0
+    assert program.formula("visual.merger", phase="bwd") == program.formula("visual.merger", phase="fwd")

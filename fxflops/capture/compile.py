@@ -129,7 +129,8 @@ def capture_graph(gm: torch.fx.GraphModule, example_inputs: list[Any], backward:
     except Exception as exc:
         raise CaptureError(f"could not re-trace a compiled graph: {type(exc).__name__}: {str(exc).splitlines()[0]}") from exc
     env_to_named = {created: named_symbol(name) for created, name in names.items()}
-    captured = Captured(traced, env, {}, env_to_named, [], [], {}, [], {}, {})
+    paths = [(f"args[{i}]",) for i in range(len(inputs))]  # every argument is a placeholder
+    captured = Captured(traced, env, {}, env_to_named, [], [], {}, paths, {}, {})
     captured.symbols = {name: named_symbol(name) for created, name in names.items() if created not in env.replacements}
     captured.input_dims = {
         (f"args[{i}]",): (captured.named(v) if isinstance(v, torch.SymInt) else tuple(captured.named(d) for d in v.shape))
