@@ -188,7 +188,8 @@ def test_example_vlm_forward_backward_equals_flopcountermode():
 
 def test_frozen_vision_tower():
     """Patch embedding and vision blocks frozen, merger trained: the blocks need no gradient at all
-    (nothing below them trains), the merger only its weight gradients, the language model everything.
+    (nothing below them trains); the merger's first layer needs only its weight gradient, its second
+    layer also the input gradient (to reach the first); the language model everything.
     Reference: every module replayed alone with the same requires_grad (SDPA per segment)."""
     import random
     from dataclasses import replace
@@ -212,4 +213,6 @@ def test_frozen_vision_tower():
     program = wrapper.program
     assert program.formula("visual.blocks", phase="bwd") == 0
     assert program.formula("visual.patch_embed", phase="bwd") == 0
-    assert program.formula("visual.merger", phase="bwd") == program.formula("visual.merger", phase="fwd")
+    first, second = "visual.merger.mlp.0", "visual.merger.mlp.2"
+    assert program.formula(first, phase="bwd") == program.formula(first, phase="fwd")  # weight gradient only
+    assert program.formula(second, phase="bwd") == 2 * program.formula(second, phase="fwd")  # weight and input
