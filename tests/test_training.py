@@ -187,9 +187,10 @@ def test_example_vlm_forward_backward_equals_flopcountermode():
 
 
 def test_frozen_vision_tower():
-    """Patch embedding and vision blocks frozen, merger trained: the blocks need no gradient at all
-    (nothing below them trains); the merger's first layer needs only its weight gradient, its second
-    layer also the input gradient (to reach the first); the language model everything.
+    """Patch embedding, vision blocks and the merger's norm frozen, the merger's MLP trained: the
+    blocks need no gradient at all (nothing below them trains); the MLP's first layer needs only its
+    weight gradient, its second layer also the input gradient (to reach the first); the language
+    model everything.
     Reference: every module replayed alone with the same requires_grad (SDPA per segment)."""
     import random
     from dataclasses import replace
@@ -202,7 +203,7 @@ def test_frozen_vision_tower():
     reference = TinyVLM(replace(cfg, attention="loop_sdpa"))
     reference.load_state_dict(model.state_dict())
     for m in (model, reference):
-        for p in [*m.visual.patch_embed.parameters(), *m.visual.blocks.parameters()]:
+        for p in [*m.visual.patch_embed.parameters(), *m.visual.blocks.parameters(), *m.visual.merger.norm.parameters()]:
             p.requires_grad_(False)
     wrapper = fxflops.instrument(model, dims={"input_ids": {1: "tokens"}, "pixel_values": {0: "patches"}}, backward=True)
     batch = random_batch(cfg, random.Random(1), images=(2, 4))
