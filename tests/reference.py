@@ -116,22 +116,14 @@ def degrouped(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def training_reference_counts(model: torch.nn.Module, *args) -> dict[str, int]:
-    """Per-module FLOPs of forward + ``loss.backward()`` (loss = sum of the float outputs) from
-    FlopCounterMode, with CPU attention counted and grouped convolutions degrouped (see above)."""
+def training_reference_total(model: torch.nn.Module, *args) -> int:
+    """FLOPs of forward + ``loss.backward()`` (loss = sum of the float outputs) from FlopCounterMode,
+    with CPU attention counted and grouped convolutions degrouped (see above)."""
     reference = degrouped(model)
     with flop_counter_with_cpu_attention(), FlopCounterMode(display=False) as counter:
         out = reference(*args)
         sum(t.float().sum() for t in torch.utils._pytree.tree_leaves(out) if torch.is_tensor(t) and t.is_floating_point()).backward()
-    root = type(reference).__name__
-    counts = {}
-    for name, per_op in counter.get_flop_counts().items():
-        if name == "Global":
-            continue
-        path = "" if name == root else name[len(root) + 1 :]
-        counts[path.removesuffix(".conv")] = counts.get(path.removesuffix(".conv"), 0) + sum(per_op.values())
-    counts[""] = counter.get_total_flops()
-    return counts
+    return counter.get_total_flops()
 
 
 def _clone_leaf(value):
@@ -149,7 +141,7 @@ def per_module_training_reference(model: torch.nn.Module, *args) -> dict[str, in
     recorded (inputs with their requires_grad, and which outputs really received a gradient), then
     replayed alone under FlopCounterMode (CPU attention counted, grouped convolutions degrouped) with a
     backward from exactly those outputs. A module called twice sums both calls. The root is the
-    whole-model count of ``training_reference_counts``.
+    whole-model count of ``training_reference_total``.
     """
     calls = []
 
@@ -170,7 +162,7 @@ def per_module_training_reference(model: torch.nn.Module, *args) -> dict[str, in
     finally:
         for h in handles:
             h.remove()
-    counts = {"": training_reference_counts(model, *args)[""]}
+    counts = {"": training_reference_total(model, *args)}
     for path, module, (call_args, call_kwargs), got_grad in calls:
         alone = degrouped(module)
         with flop_counter_with_cpu_attention(), FlopCounterMode(display=False) as counter:

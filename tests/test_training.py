@@ -19,7 +19,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 import fxflops
 from fxflops.models.tiny_gpt import GPTConfig, TinyGPT
-from reference import per_module_training_reference, training_reference_counts
+from reference import per_module_training_reference, training_reference_total
 from zoo import CASES
 
 DRAWS_PER_MODEL = 20  # 5 models -> 100 random shapes
@@ -59,7 +59,7 @@ def test_phases_split_the_total():
     values = {"b": 3, "s": 17}
     fwd, bwd = program.total(phase="fwd", **values), program.total(phase="bwd", **values)
     assert program.total(phase="recompute", **values) == 0
-    assert fwd + bwd == program.total(**values) == training_reference_counts(model, torch.randint(0, 100, (3, 17)))[""]
+    assert fwd + bwd == program.total(**values) == training_reference_total(model, torch.randint(0, 100, (3, 17)))
     forward_only = fxflops.trace(model, (ids,), dims={"input_ids": {0: "b", 1: "s"}})
     assert forward_only.total(**values) == fwd
     assert "backward traced" in program.table(**values)
@@ -147,8 +147,8 @@ def test_checkpointing_adds_recompute_and_leaves_model_flops_unchanged(rows):
     wrapper = fxflops.instrument(model, dims={"x": {0: "rows"}}, backward=True)
     wrapper.flops.reset()
     train_step(wrapper, (x,))
-    hardware = training_reference_counts(model, x)[""]  # FlopCounterMode sees the recomputation too
-    model_flops = training_reference_counts(plain, x)[""]
+    hardware = training_reference_total(model, x)  # FlopCounterMode sees the recomputation too
+    model_flops = training_reference_total(plain, x)
     meter = wrapper.flops
     assert meter.total() == meter.hardware_flops() == hardware
     assert meter.total(phase="fwd") + meter.total(phase="bwd") == meter.model_flops() == model_flops
