@@ -101,8 +101,9 @@ def capture_graph(gm: torch.fx.GraphModule, example_inputs: list[Any], backward:
 
     inputs: list[Any] = []
     with mode:
-        for node, value, real in zip(placeholders, examples, example_inputs):
-            if isinstance(real, torch.Tensor) and real.dim() == 0 and not real.requires_grad and not isinstance(real, torch._subclasses.FakeTensor):
+        for value, real in zip(examples, example_inputs):
+            scalar = isinstance(real, torch.Tensor) and real.dim() == 0 and not real.requires_grad
+            if scalar and not isinstance(real, torch._subclasses.FakeTensor):
                 inputs.append(mode.fake_tensor_converter.from_real_tensor(mode, real, make_constant=True))
             elif isinstance(value, torch.Tensor):
                 fake = torch.empty([mirror(d) for d in value.shape], dtype=value.dtype, device=value.device)
