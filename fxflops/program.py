@@ -17,7 +17,7 @@ import math
 import operator
 import warnings
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,8 +31,10 @@ from fxflops.capture.lifting import SEGMENT, Lifted
 from fxflops.capture.phases import phase_of
 from fxflops.capture.segments import Family, SegmentAnalysis
 from fxflops.capture.trace import Captured, Guard
+from fxflops.conventions import FLOPCOUNTER, Convention
 from fxflops.errors import CaptureError, GuardError, UnboundSymbolError
-from fxflops.rules import rule_for, segment_args
+from fxflops.rules import entry_for, segment_args
+from fxflops.rules.elementwise import elementwise_flops
 from fxflops.rules.not_counted import is_not_counted, touches_floats
 
 PHASES = ("fwd", "bwd", "recompute")
@@ -49,13 +51,19 @@ def backward_rule(backward: bool | str) -> str:
 
 @dataclass(frozen=True)
 class Term:
-    """The FLOPs of one graph node: ``flops`` (sympy) done by ``op`` inside module ``module``."""
+    """The FLOPs of one graph node: ``flops`` (sympy) done by ``op`` inside module ``module``.
+
+    ``kind`` is the rule's kind (``matmul``, ``elementwise``, ``embedding``: which conventions count
+    it); ``causal_exact`` the exact count of a causal attention call (``flops`` is the dense count).
+    """
 
     node: str
     op: str
     module: str
     phase: str
     flops: sympy.Expr
+    kind: str = "matmul"
+    causal_exact: sympy.Expr | None = None
 
 
 @dataclass(frozen=True)
@@ -153,10 +161,14 @@ def _graph_terms(
             if node.args[4]:  # the first output of a lifted module's call carries its FLOPs
                 terms += _lifted_terms(node, path, where, named, segments, lifted[module_path(node)], phase)
             continue
-        rule = rule_for(op)
-        if rule is None:
+        entry = entry_for(op)
+        if entry is None:
             inputs = [_tensor_values(a) for a in (*node.args, *node.kwargs.values())]
-            if (
+            elementwise = elementwise_flops(op, node, named)
+            if elementwise is not None:
+                if elementwise != 0:
+                    terms.append(Term(node.name, str(op), path, phase, elementwise, kind="elementwise"))
+            elif (
                 isinstance(op, torch._ops.OpOverload | torch._ops.HigherOrderOperator)
                 and not is_not_counted(op)
                 and touches_floats(inputs, node.meta.get("val"))
@@ -168,30 +180,46 @@ def _graph_terms(
         out_shape = _as_rule_argument(node.meta.get("val"), named)
         try:
             _with_segments(node, args, kwargs, segments)
-            flops = sympy.expand(sympy.sympify(rule(*args, out_shape=out_shape, **kwargs)))
+            flops = sympy.expand(sympy.sympify(entry.rule(*args, out_shape=out_shape, **kwargs)))
+            exact = entry.causal(*args, out_shape=out_shape, **kwargs) if entry.causal and _is_causal(node) else None
         except Exception as exc:  # a rule refusing its input (e.g. paged attention) names itself
             raise CaptureError(f"FLOPs rule for {where} failed: {exc}") from exc
-        unknown = flops.free_symbols - known - segments.symbols()
+        if entry.causal and _is_causal(node) and exact is None:
+            notes.append(f"{path or '<root>'}: causal {op} with query and key lengths that differ is counted dense under every convention")
+        exact = None if exact is None else sympy.expand(sympy.sympify(exact))
+        unknown = (flops.free_symbols | (exact.free_symbols if exact is not None else set())) - known - segments.symbols()
         if unknown:
             raise CaptureError(
                 f"the FLOPs of {where} depend on data-dependent size(s) {sorted(map(str, unknown))} "
                 "that no input shape or segment family gives"
             )
         if flops != 0:
-            terms.append(Term(node.name, str(op), path, phase, flops))
+            terms.append(Term(node.name, str(op), path, phase, flops, entry.kind, exact))
             notes += _mask_notes(node, path)
     return terms, unsupported, notes
 
 
 _MASK_ARGUMENTS = ("attn_mask", "attn_bias")
+_CAUSAL_ARGUMENTS = ("is_causal", "causal")
+
+
+def _given_arguments(node: torch.fx.Node) -> dict[str, Any]:
+    """The node's arguments by schema name (positional and keyword)."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return dict(node.kwargs)
+    return dict(zip((a.name for a in schema.arguments), node.args)) | dict(node.kwargs)
+
+
+def _is_causal(node: torch.fx.Node) -> bool:
+    """True if an attention call says it is causal (``is_causal=True`` / varlen ``causal=True``)."""
+    given = _given_arguments(node)
+    return any(given.get(name) is True for name in _CAUSAL_ARGUMENTS)
 
 
 def _mask_notes(node: torch.fx.Node, path: str) -> list[str]:
     """Attention given a dense mask is counted as the dense work its kernel does; say so."""
-    schema = getattr(node.target, "_schema", None)
-    if schema is None:
-        return []
-    given = dict(zip((a.name for a in schema.arguments), node.args)) | dict(node.kwargs)
+    given = _given_arguments(node)
     return [
         f"{path or '<root>'}: {node.target} has a mask ({name}); counted as the dense work the kernel does, "
         "masked entries included (a block-diagonal mask over packed sequences costs (Σsᵢ)² here, not Σsᵢ²)"
@@ -220,14 +248,28 @@ def _lifted_terms(
     )
     if unsupported:
         raise CaptureError(f"per-segment module {path!r} runs ops without a FLOPs rule: {sorted({u.op for u in unsupported})}")
-    terms = []
-    for term in inner:
-        if not term.flops.free_symbols <= {SEGMENT} or not term.flops.is_polynomial(SEGMENT):
-            raise CaptureError(f"the FLOPs of {term.op} in per-segment module {term.module!r} are not a polynomial in the segment length: {term.flops}")
-        coefficients = sympy.Poly(term.flops, SEGMENT).all_coeffs()[::-1]
-        billed = sum((c * lengths.power_sum(k) for k, c in enumerate(coefficients) if c != 0), sympy.Integer(0))
-        terms.append(Term(f"{marker.name}.{term.node}", term.op, term.module, phase, sympy.expand(billed)))
-    return terms
+
+    def billed(flops: sympy.Expr, op: str, module: str) -> sympy.Expr:
+        """P(s) summed over the segments: Σₖ cₖ·pₖ."""
+        if not flops.free_symbols <= {SEGMENT} or not flops.is_polynomial(SEGMENT):
+            raise CaptureError(
+                f"the FLOPs of {op} in per-segment module {module!r} are not a polynomial in the segment length: {flops}"
+            )
+        coefficients = sympy.Poly(flops, SEGMENT).all_coeffs()[::-1]
+        return sympy.expand(sum((c * lengths.power_sum(k) for k, c in enumerate(coefficients) if c != 0), sympy.Integer(0)))
+
+    return [
+        Term(
+            f"{marker.name}.{t.node}",
+            t.op,
+            t.module,
+            phase,
+            billed(t.flops, t.op, t.module),
+            t.kind,
+            None if t.causal_exact is None else billed(t.causal_exact, t.op, t.module),
+        )
+        for t in inner
+    ]
 
 
 def terms_of(captured: Captured, segments: SegmentAnalysis) -> tuple[list[Term], list[Unsupported], list[str]]:
@@ -270,6 +312,7 @@ class Program:
         self.terms = terms
         self.notes: list[str] = []
         self.backward = "none"
+        self.convention = FLOPCOUNTER
         self.families = list(families)
         self.unsupported = unsupported
         self.all_symbols = tuple(sorted(symbols, key=str))  # what the binder reads, in order
@@ -296,16 +339,14 @@ class Program:
         """Rules applied to a capture. ``segments`` names segment families by input label
         (``{"cu_seqlens": "text"}``); ``strict_metadata`` also validates device metadata (a sync);
         ``backward`` says where backward terms come from: ``"traced"`` (the capture's own backward
-        graph), ``"2x"`` (twice each forward term, the convention of formula-based tools) or
-        ``"none"``."""
+        graph), ``"2x"`` (twice each forward term, the convention of formula-based tools: the
+        program's default convention becomes FLOPCOUNTER with ``backward="2x"``) or ``"none"``."""
         if backward not in BACKWARD_RULES:
             raise ValueError(f"backward must be one of {BACKWARD_RULES}, not {backward!r}")
         graph = captured.graph_module.graph
         placeholders = [n for n in graph.nodes if n.op == "placeholder"]
         analysis = SegmentAnalysis(graph, dict(zip(placeholders, captured.placeholder_paths)), segments or {})
         terms, unsupported, notes = terms_of(captured, analysis)
-        if backward == "2x":
-            terms += [Term(f"{t.node}.2x", t.op, t.module, "bwd", 2 * t.flops) for t in terms if t.phase == "fwd"]
         if captured.assumptions() != captured.assumptions_at_capture:
             raise CaptureError("internal error: the FLOPs analysis added a guard on the traced sizes; please report")
         for op in sorted({u.op for u in unsupported}):
@@ -325,28 +366,63 @@ class Program:
         program = cls(terms, unsupported, symbols, captured.guards, paths, binder, families)
         program.notes = list(dict.fromkeys(notes))
         program.backward = backward
+        if backward == "2x":
+            program.convention = FLOPCOUNTER.but(backward="2x")
         return program
 
     # ---- compilation to the monomial basis -------------------------------------------------
-    def _compile(self) -> None:
-        """Basis monomials, integer coefficient rows per (module, phase), generated evaluators."""
-        formulas: dict[tuple[str, str], sympy.Expr] = defaultdict(lambda: sympy.Integer(0))
+    def _convention_terms(self, convention: Convention) -> Iterator[tuple[str, str, sympy.Expr]]:
+        """(module, phase, FLOPs) of every term as ``convention`` counts it (module docstring of
+        ``fxflops.conventions``)."""
         for term in self.terms:
-            for path in _ancestors(term.module):
-                formulas[(path, term.phase)] += term.flops
-        self._formulas = {key: sympy.expand(expr) for key, expr in formulas.items()}
-        coefficient_maps = {key: expr.as_coefficients_dict() for key, expr in self._formulas.items()}
+            if (term.kind == "elementwise" and convention.count != "all") or (
+                term.kind == "embedding" and not convention.embeddings
+            ):
+                continue
+            if (term.phase == "recompute" and not convention.recompute) or (
+                term.phase == "bwd" and convention.backward == "2x"
+            ):
+                continue
+            flops = term.flops
+            if term.causal_exact is not None and convention.causal != "full":
+                flops = term.causal_exact if convention.causal == "exact" else term.flops / 2
+            if convention.unit == "macs":
+                flops = flops / 2
+            yield term.module, term.phase, flops
+            if term.phase == "fwd" and convention.backward == "2x":
+                yield term.module, "bwd", 2 * flops
+
+    def _formulas(self, convention: Convention) -> dict[tuple[str, str], sympy.Expr]:
+        """Inclusive formula per (module, phase) under ``convention`` (cached)."""
+        if convention not in self._formula_cache:
+            formulas: dict[tuple[str, str], sympy.Expr] = defaultdict(lambda: sympy.Integer(0))
+            for module, phase, flops in self._convention_terms(convention):
+                for path in _ancestors(module):
+                    formulas[(path, phase)] += flops
+            self._formula_cache[convention] = {key: sympy.expand(expr) for key, expr in formulas.items()}
+        return self._formula_cache[convention]
+
+    def _rows(self, convention: Convention) -> tuple[dict[tuple[str, str], list[tuple[int, int]]], int]:
+        """Integer coefficient rows over ``self.basis`` per (module, phase), and their common
+        denominator, under ``convention`` (cached)."""
+        if convention not in self._row_cache:
+            coefficient_maps = {key: expr.as_coefficients_dict() for key, expr in self._formulas(convention).items()}
+            column = {m: i for i, m in enumerate(self.basis)}
+            denominator = math.lcm(1, *(sympy.fraction(c)[1] for cm in coefficient_maps.values() for c in cm.values()))
+            rows = {
+                key: [(column[m], int(c * denominator)) for m, c in cm.items()] for key, cm in coefficient_maps.items()
+            }
+            self._row_cache[convention] = (rows, denominator)
+        return self._row_cache[convention]
+
+    def _compile(self) -> None:
+        """The monomial basis of every convention's polynomials and the generated evaluators."""
+        self._formula_cache: dict[Convention, dict[tuple[str, str], sympy.Expr]] = {}
+        self._row_cache: dict[Convention, tuple[dict, int]] = {}
+        variants = [t.flops for t in self.terms] + [t.causal_exact for t in self.terms if t.causal_exact is not None]
         self.basis: tuple[sympy.Expr, ...] = tuple(
-            sorted({m for c in coefficient_maps.values() for m in c}, key=sympy.default_sort_key)
+            sorted({m for v in variants for m in sympy.expand(v).as_coefficients_dict()}, key=sympy.default_sort_key)
         )
-        column = {m: i for i, m in enumerate(self.basis)}
-        self.denominator = math.lcm(
-            1, *(sympy.fraction(c)[1] for cm in coefficient_maps.values() for c in cm.values())
-        )
-        self.rows: dict[tuple[str, str], list[tuple[int, int]]] = {
-            key: [(column[m], int(c * self.denominator)) for m, c in cm.items()]
-            for key, cm in coefficient_maps.items()
-        }
         names = {sym: f"v{i}" for i, sym in enumerate(self.all_symbols)}
         params = ", ".join(names.values())
         monomials = ", ".join(python_source(m, names) for m in self.basis)
@@ -382,38 +458,43 @@ class Program:
         return f"{shown} break the trace's guard(s): " + "; ".join(map(str, broken))
 
     def evaluate(
-        self, monomial_sums: tuple[int, ...] | list[int], module: str = "", phase: str | tuple[str, ...] | None = None
+        self,
+        monomial_sums: tuple[int, ...] | list[int],
+        module: str = "",
+        phase: str | tuple[str, ...] | None = None,
+        convention: Convention | None = None,
     ) -> int:
         """``C[module, phase] · m`` for accumulated monomials ``m`` (all phases when ``phase`` is None;
-        a tuple sums several)."""
+        a tuple sums several) under ``convention`` (default: the program's)."""
+        rows, denominator = self._rows(convention or self.convention)
         phases = PHASES if phase is None else (phase,) if isinstance(phase, str) else phase
         total = 0
         for ph in phases:
-            for col, coeff in self.rows.get((module, ph), ()):
+            for col, coeff in rows.get((module, ph), ()):
                 total += coeff * monomial_sums[col]
-        return total // self.denominator
+        return total // denominator
 
-    def total(self, phase: str | None = None, **values: int) -> int:
+    def total(self, phase: str | None = None, convention: Convention | None = None, **values: int) -> int:
         """Total FLOPs at these symbol values, e.g. ``program.total(seq=2048)``."""
-        return self.evaluate(self.monomials(*self.values_of(**values)), "", phase)
+        return self.evaluate(self.monomials(*self.values_of(**values)), "", phase, convention)
 
-    def breakdown(self, depth: int | None = None, phase: str | None = None, **values: int) -> dict[str, int]:
+    def breakdown(
+        self, depth: int | None = None, phase: str | None = None, convention: Convention | None = None, **values: int
+    ) -> dict[str, int]:
         """Inclusive FLOPs of every module (``depth``: only paths at most that deep; root depth 0)."""
         m = self.monomials(*self.values_of(**values))
-        return {
-            path: self.evaluate(m, path, phase)
-            for path in self.modules(depth)
-        }
+        return {path: self.evaluate(m, path, phase, convention) for path in self.modules(depth)}
 
     def modules(self, depth: int | None = None) -> list[str]:
         """Module paths in tree order (pre-order from the root), optionally cut at ``depth``."""
         order = list(nx.dfs_preorder_nodes(self.tree, ""))
         return [p for p in order if depth is None or _depth(p) <= depth]
 
-    def formula(self, path: str = "", phase: str | None = None) -> sympy.Expr:
-        """Closed form of a module's inclusive FLOPs in the named symbols."""
+    def formula(self, path: str = "", phase: str | None = None, convention: Convention | None = None) -> sympy.Expr:
+        """Closed form of a module's inclusive FLOPs in the named symbols under ``convention``."""
+        formulas = self._formulas(convention or self.convention)
         phases = PHASES if phase is None else (phase,)
-        return sympy.expand(sum((self._formulas.get((path, ph), 0) for ph in phases), sympy.Integer(0)))
+        return sympy.expand(sum((formulas.get((path, ph), 0) for ph in phases), sympy.Integer(0)))
 
     def count(self, *args: Any, **kwargs: Any) -> int:
         """FLOPs of ``model(*args, **kwargs)`` from the batch's shapes, without running the model."""
@@ -444,8 +525,9 @@ class Program:
             {
                 "symbols": [str(s) for s in self.symbols],
                 "guards": [{"expr": str(g.expr), "location": g.location} for g in self.guards],
+                "convention": self.convention.describe(),
                 "modules": {
-                    path: {ph: str(self._formulas[(path, ph)]) for ph in PHASES if (path, ph) in self._formulas}
+                    path: {ph: str(f) for ph in PHASES if (f := self.formula(path, ph)) != 0}
                     for path in self.modules()
                 },
                 "terms": [
@@ -461,11 +543,11 @@ class Program:
             indent=2,
         )
 
-    def table(self, depth: int | None = None, **values: int) -> str:
+    def table(self, depth: int | None = None, convention: Convention | None = None, **values: int) -> str:
         """A readable per-module table; with symbol values also the FLOPs and each module's share."""
         from fxflops.report import program_table
 
-        return program_table(self, depth, values)
+        return program_table(self, depth, values, convention or self.convention)
 
     def __repr__(self) -> str:
         return (

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from fxflops.conventions import Convention
     from fxflops.program import Program
 
 
@@ -33,31 +34,26 @@ def _label(path: str) -> str:
     return "  " * depth + (path.rsplit(".", 1)[-1] if path else "<model>")
 
 
-def program_table(program: Program, depth: int | None, values: dict[str, Any]) -> str:
+def program_table(program: Program, depth: int | None, values: dict[str, Any], convention: Convention) -> str:
     """Module | FLOPs | share | formula; FLOPs and share only when every symbol has a value."""
-    modules = [p for p in program.modules(depth) if program.formula(p) != 0]
+    modules = [p for p in program.modules(depth) if program.formula(p, convention=convention) != 0]
     if values:
-        flops = program.breakdown(depth, **values)
+        flops = program.breakdown(depth, convention=convention, **values)
         total = flops[""] or 1
         rows = [
-            [_label(p), f"{flops[p]:,}", f"{100 * flops[p] / total:.1f}%", str(program.formula(p))]
+            [_label(p), f"{flops[p]:,}", f"{100 * flops[p] / total:.1f}%", str(program.formula(p, convention=convention))]
             for p in modules
         ]
         header = ["module", "FLOPs", "share", "formula"]
         title = "FLOPs at " + ", ".join(f"{k}={v}" for k, v in values.items())
     else:
-        rows = [[_label(p), str(program.formula(p))] for p in modules]
+        rows = [[_label(p), str(program.formula(p, convention=convention))] for p in modules]
         header = ["module", "formula"]
         title = "FLOPs formulas in " + ", ".join(str(s) for s in program.symbols)
     notes = "".join(f"\nnote: {n}" for n in program.notes)
     unsupported = "".join(f"\nNOT COUNTED (no rule): {u}" for u in program.unsupported)
-    backward = {
-        "none": "forward only",
-        "traced": "forward + backward traced from the autograd graph (+ recompute)",
-        "2x": "forward + backward by the 2x-forward rule",
-    }[program.backward]
-    convention = f"1 multiply-add = 2 FLOPs, FlopCounterMode convention, {backward}"
-    return f"{title} ({convention})\n" + render(header, rows) + notes + unsupported
+    captured = "forward only captured" if program.backward == "none" else "forward + backward captured"
+    return f"{title}\nconvention {convention.describe()}; {captured}\n" + render(header, rows) + notes + unsupported
 
 
 def meter_table(breakdown: dict[str, int]) -> str:

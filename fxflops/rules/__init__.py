@@ -3,7 +3,16 @@
 Importing this package registers every built-in rule.
 """
 
-from fxflops.rules import attention, conv, matmul, varlen  # noqa: F401  (registration side effect)
-from fxflops.rules.registry import register, registered_ops, rule_for, segment_args, shape_of, unregister
+from fxflops.rules import attention, conv, elementwise, matmul, varlen  # noqa: F401  (registration side effect)
+from fxflops.rules.registry import (
+    Entry,
+    entry_for,
+    register,
+    registered_ops,
+    rule_for,
+    segment_args,
+    shape_of,
+    unregister,
+)
 
-__all__ = ["register", "registered_ops", "rule_for", "segment_args", "shape_of", "unregister"]
+__all__ = ["Entry", "entry_for", "register", "registered_ops", "rule_for", "segment_args", "shape_of", "unregister"]

@@ -17,10 +17,16 @@ call it ``forward_out`` to keep it apart from the result shape ``out_shape``.
 
 from __future__ import annotations
 
+import sympy
 import torch
 
 from fxflops.rules.registry import register
-from fxflops.rules.varlen import varlen_backward_flops, varlen_forward_flops
+from fxflops.rules.varlen import (
+    varlen_backward_causal,
+    varlen_backward_flops,
+    varlen_forward_causal,
+    varlen_forward_flops,
+)
 
 aten = torch.ops.aten
 
@@ -47,6 +53,64 @@ def _sequence_first(flops, query, key, value):
     return flops(batch, q_heads, q_len, key[1], qk_dim, value[3])
 
 
+def _causal_pairs(q_len, kv_len):
+    """Query-key pairs a causal mask keeps in square attention: s(s+1)/2 (``None`` if not square,
+    where the mask's alignment decides)."""
+    if sympy.sympify(q_len - kv_len) != 0:
+        return None
+    return q_len * (q_len + 1) * sympy.Rational(1, 2)
+
+
+def _heads_first_causal(flops, query, key, value):
+    """Exact causal ``flops`` for (B, H, S, D) shapes: the same cost per pair over s(s+1)/2 pairs."""
+    pairs = _causal_pairs(query[2], key[2])
+    return None if pairs is None else flops(query[0], query[1], 1, pairs, query[3], value[3])
+
+
+def _sequence_first_causal(flops, query, key, value):
+    """Exact causal ``flops`` for (B, S, H, D) shapes."""
+    pairs = _causal_pairs(query[1], key[1])
+    return None if pairs is None else flops(query[0], query[2], 1, pairs, query[3], value[3])
+
+
+def sdpa_forward_causal(query, key, value, *args, out_shape=None, **kwargs):
+    """Causal SDPA forward, exactly: 2·B·Hq·(Dqk + Dv)·s(s+1)/2."""
+    return _heads_first_causal(_attention_forward_flops, query, key, value)
+
+
+def sdpa_backward_causal(grad_out, query, key, value, *args, out_shape=None, **kwargs):
+    """Causal SDPA backward, exactly: 2·B·Hq·(3·Dqk + 2·Dv)·s(s+1)/2."""
+    return _heads_first_causal(_attention_backward_flops, query, key, value)
+
+
+def flash_attention_forward_causal(query, key, value, cum_seq_q, cum_seq_k, *args, out_shape=None, **kwargs):
+    """Causal raw flash forward, exactly (dense (B,S,H,D) or packed varlen)."""
+    if cum_seq_q is not None:
+        return varlen_forward_causal(query, key, value, cum_seq_q, cum_seq_k)
+    return _sequence_first_causal(_attention_forward_flops, query, key, value)
+
+
+def flash_attention_backward_causal(grad_out, query, key, value, forward_out, logsumexp, cum_seq_q, cum_seq_k, *args, out_shape=None, **kwargs):
+    """Causal raw flash backward, exactly."""
+    if cum_seq_q is not None:
+        return varlen_backward_causal(query, key, value, cum_seq_q, cum_seq_k)
+    return _sequence_first_causal(_attention_backward_flops, query, key, value)
+
+
+def efficient_attention_forward_causal(query, key, value, bias, cu_seqlens_q, cu_seqlens_k, *args, out_shape=None, **kwargs):
+    """Causal raw memory-efficient forward, exactly."""
+    if cu_seqlens_q is not None:
+        return varlen_forward_causal(query, key, value, cu_seqlens_q, cu_seqlens_k)
+    return _sequence_first_causal(_attention_forward_flops, query, key, value)
+
+
+def efficient_attention_backward_causal(grad_out_, query, key, value, bias, forward_out, cu_seqlens_q, cu_seqlens_k, *args, out_shape=None, **kwargs):
+    """Causal raw memory-efficient backward, exactly."""
+    if cu_seqlens_q is not None:
+        return varlen_backward_causal(query, key, value, cu_seqlens_q, cu_seqlens_k)
+    return _sequence_first_causal(_attention_backward_flops, query, key, value)
+
+
 def _reject_paged(op_name, block_table):
     """Raise ``ValueError`` for a paged KV cache: its work depends on a page table held in data."""
     if block_table is not None:
@@ -62,6 +126,7 @@ def _reject_paged(op_name, block_table):
     aten._scaled_dot_product_cudnn_attention,
     aten._scaled_dot_product_flash_attention_for_cpu,
     aten._scaled_dot_product_fused_attention_overrideable,
+    causal=sdpa_forward_causal,
 )
 def sdpa_forward(query, key, value, *args, out_shape=None, **kwargs):
     """SDPA kernels, (B,H,S,D) inputs: 2·B·Hq·Sq·Sk·(Dqk + Dv).
@@ -77,6 +142,7 @@ def sdpa_forward(query, key, value, *args, out_shape=None, **kwargs):
     aten._scaled_dot_product_cudnn_attention_backward,
     aten._scaled_dot_product_flash_attention_for_cpu_backward,
     aten._scaled_dot_product_fused_attention_overrideable_backward,
+    causal=sdpa_backward_causal,
 )
 def sdpa_backward(grad_out, query, key, value, *args, out_shape=None, **kwargs):
     """SDPA fused backward, (B,H,S,D) inputs: 2·B·Hq·Sq·Sk·(3·Dqk + 2·Dv).
@@ -87,13 +153,13 @@ def sdpa_backward(grad_out, query, key, value, *args, out_shape=None, **kwargs):
     return _heads_first(_attention_backward_flops, query, key, value)
 
 
-@register(aten._scaled_dot_product_efficient_attention_backward)
+@register(aten._scaled_dot_product_efficient_attention_backward, causal=sdpa_backward_causal)
 def sdpa_efficient_backward(grad_out_, query, key, value, *args, out_shape=None, **kwargs):
     """Memory-efficient SDPA backward: as ``sdpa_backward`` (its schema names the gradient ``grad_out_``)."""
     return _heads_first(_attention_backward_flops, query, key, value)
 
 
-@register(aten._flash_attention_forward, segments=(3, 4))
+@register(aten._flash_attention_forward, segments=(3, 4), causal=flash_attention_forward_causal)
 def flash_attention_forward(query, key, value, cum_seq_q, cum_seq_k, *args, out_shape=None, **kwargs):
     """Raw flash forward: dense (B,S,H,D) inputs 2·B·Hq·Sq·Sk·(Dqk + Dv); packed varlen inputs
     ((total, H, D) with offsets ``cum_seq_q``/``cum_seq_k``) 2·Hq·(Dqk + Dv)·Σᵢ sq_i·sk_i.
@@ -110,7 +176,7 @@ def flash_attention_forward(query, key, value, cum_seq_q, cum_seq_k, *args, out_
     return _sequence_first(_attention_forward_flops, query, key, value)
 
 
-@register(aten._flash_attention_backward, segments=(6, 7))
+@register(aten._flash_attention_backward, segments=(6, 7), causal=flash_attention_backward_causal)
 def flash_attention_backward(
     grad_out, query, key, value, forward_out, logsumexp, cum_seq_q, cum_seq_k, *args, out_shape=None, **kwargs,
 ):
@@ -123,7 +189,7 @@ def flash_attention_backward(
     return _sequence_first(_attention_backward_flops, query, key, value)
 
 
-@register(aten._efficient_attention_forward, segments=(4, 5))
+@register(aten._efficient_attention_forward, segments=(4, 5), causal=efficient_attention_forward_causal)
 def efficient_attention_forward(query, key, value, bias, cu_seqlens_q, cu_seqlens_k, *args, out_shape=None, **kwargs):
     """Raw memory-efficient forward: dense (B,S,H,D) 2·B·Hq·Sq·Sk·(Dqk + Dv); packed varlen inputs
     ((1, total, H, D) with ``cu_seqlens_q``/``cu_seqlens_k``) 2·Hq·(Dqk + Dv)·Σᵢ sq_i·sk_i.
@@ -137,7 +203,7 @@ def efficient_attention_forward(query, key, value, bias, cu_seqlens_q, cu_seqlen
     return _sequence_first(_attention_forward_flops, query, key, value)
 
 
-@register(aten._efficient_attention_backward, segments=(6, 7))
+@register(aten._efficient_attention_backward, segments=(6, 7), causal=efficient_attention_backward_causal)
 def efficient_attention_backward(
     grad_out_, query, key, value, bias, forward_out, cu_seqlens_q, cu_seqlens_k, *args, out_shape=None, **kwargs,
 ):

@@ -19,14 +19,34 @@ a symbolic one (sympy expressions in the traced size symbols). Convention: one m
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 Rule = Callable[..., Any]
 
-_RULES: dict[Any, Rule] = {}
-_SEGMENT_ARGS: dict[Any, tuple[int | str, ...]] = {}
+KINDS = ("matmul", "elementwise", "embedding")
+
+
+@dataclass(frozen=True)
+class Entry:
+    """A registered rule and what the Program needs to know about it.
+
+    ``kind`` says which conventions count it: ``"matmul"`` (matrix products and attention, always),
+    ``"elementwise"`` (pointwise, norms, softmax, reductions: only under ``count="all"``) or
+    ``"embedding"`` (gathers: only when a convention counts them). ``causal``, for attention, gives the
+    exact FLOPs of a causal call (the lower triangle, s(s+1)/2 pairs per sequence) from the same
+    arguments; conventions that halve or keep causal attention use it. ``segments`` as above.
+    """
+
+    rule: Rule
+    segments: tuple[int | str, ...] = ()
+    causal: Rule | None = None
+    kind: str = "matmul"
+
+
+_ENTRIES: dict[Any, Entry] = {}
 
 
 def _key(op: Any) -> Any:
@@ -40,22 +60,24 @@ def _name_key(op: Any) -> str | None:
     return schema.name if schema is not None else None
 
 
-def register(*ops: Any, segments: tuple[int | str, ...] = ()) -> Callable[[Rule], Rule]:
+def register(
+    *ops: Any, segments: tuple[int | str, ...] = (), causal: Rule | None = None, kind: str = "matmul"
+) -> Callable[[Rule], Rule]:
     """Decorator registering ``rule`` for every op in ``ops``.
 
     ``ops`` may be ``OpOverloadPacket`` (``torch.ops.aten.mm``), ``OpOverload`` (``...mm.default``:
     the rule then covers every overload of that packet), a ``"namespace::name"`` string (for an op of
     a package that may not be imported yet, e.g. ``"flash_attn::_flash_attn_varlen_forward"``) or
     any other callable target that appears in an FX graph (a higher-order op such as
-    ``flex_attention``). ``segments`` names the offsets arguments (see the module docstring).
-    Registering again replaces the rule, which is how users override a built-in rule or add one for
-    their own custom op.
+    ``flex_attention``). ``segments``, ``causal`` and ``kind``: see :class:`Entry`. Registering again
+    replaces the rule, which is how users override a built-in rule or add one for their own custom op.
     """
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, not {kind!r}")
 
     def decorator(rule: Rule) -> Rule:
         for op in ops:
-            _RULES[_key(op)] = rule
-            _SEGMENT_ARGS[_key(op)] = tuple(segments)
+            _ENTRIES[_key(op)] = Entry(rule, tuple(segments), causal, kind)
         return rule
 
     return decorator
@@ -64,28 +86,30 @@ def register(*ops: Any, segments: tuple[int | str, ...] = ()) -> Callable[[Rule]
 def unregister(*ops: Any) -> None:
     """Remove the rules of ``ops`` (no error for an op without one)."""
     for op in ops:
-        _RULES.pop(_key(op), None)
-        _SEGMENT_ARGS.pop(_key(op), None)
+        _ENTRIES.pop(_key(op), None)
 
 
-def _lookup(table: dict[Any, Any], op: Any) -> Any:
-    found = table.get(_key(op))
-    return found if found is not None else table.get(_name_key(op))
+def entry_for(op: Any) -> Entry | None:
+    """The entry registered for ``op`` (its overload packet, or its ``namespace::name``), or ``None``."""
+    found = _ENTRIES.get(_key(op))
+    return found if found is not None else _ENTRIES.get(_name_key(op))
 
 
 def rule_for(op: Any) -> Rule | None:
-    """The rule registered for ``op`` (its overload packet, or its ``namespace::name``), or ``None``."""
-    return _lookup(_RULES, op)
+    """The rule registered for ``op``, or ``None``."""
+    entry = entry_for(op)
+    return entry.rule if entry is not None else None
 
 
 def segment_args(op: Any) -> tuple[int | str, ...]:
     """Positions or names of ``op``'s arguments that are segment offsets (empty for most ops)."""
-    return _lookup(_SEGMENT_ARGS, op) or ()
+    entry = entry_for(op)
+    return entry.segments if entry is not None else ()
 
 
 def registered_ops() -> list[Any]:
     """Every op key that has a rule, in registration order."""
-    return list(_RULES)
+    return list(_ENTRIES)
 
 
 def shape_of(value: Any) -> Any:

@@ -12,8 +12,11 @@ sum, which it reads with a host sync from ``cum_seq.tolist()``).
 
 from __future__ import annotations
 
+import sympy
+
 from fxflops.capture.segments import SegmentLengths, pair_sum
 from fxflops.rules.registry import register
+
 
 def varlen_forward_flops(query, key, value, cu_q: SegmentLengths, cu_k: SegmentLengths | None):
     """2·Hq·(Dqk + Dv)·Σᵢ sq_i·sk_i; ``cu_k=None`` means the keys are cut like the queries."""
@@ -23,54 +26,54 @@ def varlen_forward_flops(query, key, value, cu_q: SegmentLengths, cu_k: SegmentL
     return 2 * query[-2] * (query[-1] + value[-1]) * pair_sum(cu_q, cu_k)
 
 
+def _causal_pairs(cu_q: SegmentLengths, cu_k: SegmentLengths | None):
+    """Query-key pairs a causal mask keeps: Σᵢ sᵢ(sᵢ+1)/2 = (p₂ + p₁)/2 (self-attention only)."""
+    cu_k = cu_q if cu_k is None else cu_k
+    pair_sum(cu_q, cu_k)  # refuses different query and key families
+    return (cu_q.power_sum(2) + cu_q.power_sum(1)) * sympy.Rational(1, 2)
+
+
+def varlen_forward_causal(query, key, value, cu_q: SegmentLengths, cu_k: SegmentLengths | None):
+    """Causal varlen forward, exactly: 2·Hq·(Dqk + Dv)·(p₂ + p₁)/2."""
+    return 2 * query[-2] * (query[-1] + value[-1]) * _causal_pairs(cu_q, cu_k)
+
+
+def varlen_backward_causal(query, key, value, cu_q: SegmentLengths, cu_k: SegmentLengths | None):
+    """Causal varlen backward, exactly: 2·Hq·(3·Dqk + 2·Dv)·(p₂ + p₁)/2."""
+    return 2 * query[-2] * (3 * query[-1] + 2 * value[-1]) * _causal_pairs(cu_q, cu_k)
+
+
 def varlen_backward_flops(query, key, value, cu_q: SegmentLengths, cu_k: SegmentLengths | None):
     """2·Hq·(3·Dqk + 2·Dv)·Σᵢ sq_i·sk_i: recomputed QKᵀ, dP, dV, dQ, dK per segment."""
     cu_k = cu_q if cu_k is None else cu_k
     return 2 * query[-2] * (3 * query[-1] + 2 * value[-1]) * pair_sum(cu_q, cu_k)
 
 
-@register("fxflops::varlen_attention", segments=(3, 4))
-def fxflops_varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, *args, out_shape=None, **kwargs):
-    """fxflops.ops.varlen_attention: 2·Hq·(Dqk + Dv)·Σᵢ sq_i·sk_i."""
-    return varlen_forward_flops(q, k, v, cu_seqlens_q, cu_seqlens_k)
+def _api(flops_of, q_at: int, offsets_at: int):
+    """A rule for a varlen API with q, k, v at ``q_at`` and the two offsets at ``offsets_at``."""
+
+    def rule(*args, out_shape=None, **kwargs):
+        q, k, v = args[q_at : q_at + 3]
+        return flops_of(q, k, v, args[offsets_at], args[offsets_at + 1])
+
+    rule.__doc__ = f"{flops_of.__doc__} (q, k, v at {q_at}, offsets at {offsets_at})"
+    return rule
 
 
-@register("fxflops::varlen_attention_backward", segments=(4, 5))
-def fxflops_varlen_attention_backward(grad_out, q, k, v, cu_seqlens_q, cu_seqlens_k, *args, out_shape=None, **kwargs):
-    """Backward of fxflops.ops.varlen_attention: 2·Hq·(3·Dqk + 2·Dv)·Σᵢ sq_i·sk_i."""
-    return varlen_backward_flops(q, k, v, cu_seqlens_q, cu_seqlens_k)
+def _register(name: str, backward: bool, q_at: int, offsets_at: int) -> None:
+    """Register ``name`` (``"namespace::op"``) with its full and exact-causal rules."""
+    full, causal = (varlen_backward_flops, varlen_backward_causal) if backward else (varlen_forward_flops, varlen_forward_causal)
+    register(name, segments=(offsets_at, offsets_at + 1), causal=_api(causal, q_at, offsets_at))(_api(full, q_at, offsets_at))
 
 
-@register("torch_attn::_varlen_attn", segments=(3, 4))
-def torch_varlen_attn(query, key, value, cu_seq_q, cu_seq_k, *args, out_shape=None, **kwargs):
-    """torch.nn.attention.varlen.varlen_attn forward: 2·Hq·(Dqk + Dv)·Σᵢ sq_i·sk_i."""
-    return varlen_forward_flops(query, key, value, cu_seq_q, cu_seq_k)
-
-
-@register("torch_attn::_varlen_attn_out", segments=(4, 5))
-def torch_varlen_attn_out(out, query, key, value, cu_seq_q, cu_seq_k, *args, out_shape=None, **kwargs):
-    """torch.nn.attention.varlen.varlen_attn_out (writes into ``out``): as the forward."""
-    return varlen_forward_flops(query, key, value, cu_seq_q, cu_seq_k)
-
-
-@register("torch_attn::_varlen_attn_backward", segments=(6, 7))
-def torch_varlen_attn_backward(grad_out, query, key, value, forward_out, lse, cu_seq_q, cu_seq_k, *args, out_shape=None, **kwargs):
-    """torch.nn.attention.varlen backward: 2·Hq·(3·Dqk + 2·Dv)·Σᵢ sq_i·sk_i."""
-    return varlen_backward_flops(query, key, value, cu_seq_q, cu_seq_k)
-
-
-@register("flash_attn::_flash_attn_varlen_forward", "flash_attn::_flash_attn_varlen_forward_v3", segments=(3, 4))
-def flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, *args, out_shape=None, **kwargs):
-    """flash_attn.flash_attn_varlen_func's op (flash-attn >= 2.6 registers it with torch.library).
-
-    Source: flash-attn ``flash_attn_interface.py``: q (total_q, nheads, headdim), k/v (total_k,
-    nheads_k, headdim), cu_seqlens int32 (batch + 1).
-    """
-    return varlen_forward_flops(q, k, v, cu_seqlens_q, cu_seqlens_k)
-
-
-@register("flash_attn::_flash_attn_varlen_backward", segments=(9, 10))
-def flash_attn_varlen_backward(dout, q, k, v, forward_out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, *args, out_shape=None, **kwargs):
-    """flash-attn varlen backward (dq, dk, dv written in place): 2·Hq·(3·Dqk + 2·Dv)·Σᵢ sq_i·sk_i."""
-    return varlen_backward_flops(q, k, v, cu_seqlens_q, cu_seqlens_k)
-
+# op name, backward?, position of q (k, v follow), position of cu_seqlens_q (cu_seqlens_k follows)
+_register("fxflops::varlen_attention", False, 0, 3)  # fxflops.ops.varlen_attention
+_register("fxflops::varlen_attention_backward", True, 1, 4)
+_register("torch_attn::_varlen_attn", False, 0, 3)  # torch.nn.attention.varlen.varlen_attn
+_register("torch_attn::_varlen_attn_out", False, 1, 4)  # varlen_attn_out writes into its first argument
+_register("torch_attn::_varlen_attn_backward", True, 1, 6)
+# flash-attn >= 2.6 registers flash_attn_varlen_func's ops with torch.library (flash_attn_interface.py:
+# q (total_q, nheads, headdim), k/v (total_k, nheads_k, headdim), cu_seqlens int32 (batch + 1))
+_register("flash_attn::_flash_attn_varlen_forward", False, 0, 3)
+_register("flash_attn::_flash_attn_varlen_forward_v3", False, 0, 3)
+_register("flash_attn::_flash_attn_varlen_backward", True, 1, 9)

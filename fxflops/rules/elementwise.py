@@ -1,0 +1,107 @@
+"""Per-op costs of the work the matmul-only convention leaves out, counted under ``count="all"``.
+
+These are documented conventions, not instruction counts (a transcendental costs many instructions):
+
+* pointwise ops (ATen ``Tag.pointwise``: add, mul, exp, gelu, silu, where, ...): 1 FLOP per output
+  element; reductions (``Tag.reduction``: sum, mean, amax, var_mean, ...): 1 FLOP per input element;
+* softmax and log-softmax: 5 per element (max, subtract, exp, sum, divide or log); their backward 4
+  per element (multiply, sum, subtract, multiply);
+* layer/group/batch norm: 5 per element to normalise (mean, subtract, square, mean, scale), plus 1 per
+  element for the weight and 1 for the bias when present; their backward twice the forward;
+* embedding gathers (kind ``"embedding"``, counted only with ``embeddings=True``): 1 per gathered
+  element; the embedding backward 1 per gradient element (a scatter-add).
+
+Ops that only move or index data stay at 0 (``not_counted.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import sympy
+import torch
+
+from fxflops.rules.registry import register
+
+aten = torch.ops.aten
+
+
+def numel(shape) -> Any:
+    """Number of elements of a shape (a tuple of ints or sympy expressions)."""
+    total = 1
+    for size in shape:
+        total = total * size
+    return total
+
+
+def elementwise_flops(op: Any, node: torch.fx.Node, named: Any) -> sympy.Expr | None:
+    """Cost of a pointwise (1 per output element) or reduction (1 per input element) op without a
+    registered rule, or ``None`` for any other op."""
+    if not isinstance(op, torch._ops.OpOverload):
+        return None
+    if torch.Tag.pointwise in op.tags:
+        out = node.meta.get("val")
+        return sympy.sympify(numel(named(d) for d in out.shape)) if isinstance(out, torch.Tensor) else sympy.Integer(0)
+    if torch.Tag.reduction in op.tags:
+        first = node.args[0].meta.get("val") if node.args and isinstance(node.args[0], torch.fx.Node) else None
+        return sympy.sympify(numel(named(d) for d in first.shape)) if isinstance(first, torch.Tensor) else sympy.Integer(0)
+    return None
+
+
+@register(aten._softmax, aten._log_softmax, kind="elementwise")
+def softmax(self, *args, out_shape=None, **kwargs):
+    """softmax / log_softmax: 5 per element (max, subtract, exp, sum, divide or log)."""
+    return 5 * numel(self)
+
+
+@register(aten._softmax_backward_data, aten._log_softmax_backward_data, kind="elementwise")
+def softmax_backward(grad_output, *args, out_shape=None, **kwargs):
+    """softmax / log_softmax backward: 4 per element."""
+    return 4 * numel(grad_output)
+
+
+def _norm_flops(input, weight, bias):
+    """5 per element to normalise, +1 for an affine weight, +1 for a bias."""
+    return numel(input) * (5 + (weight is not None) + (bias is not None))
+
+
+@register(aten.native_layer_norm, kind="elementwise")
+def layer_norm(input, normalized_shape, weight=None, bias=None, *args, out_shape=None, **kwargs):
+    """native_layer_norm: 5 per element (+1 weight, +1 bias)."""
+    return _norm_flops(input, weight, bias)
+
+
+@register(aten.native_group_norm, aten.native_batch_norm, aten._native_batch_norm_legit, aten._native_batch_norm_legit_no_training, aten._native_batch_norm_legit_functional, kind="elementwise")
+def group_or_batch_norm(input, weight=None, bias=None, *args, out_shape=None, **kwargs):
+    """group / batch norm: 5 per element (+1 weight, +1 bias)."""
+    return _norm_flops(input, weight, bias)
+
+
+@register(aten.native_layer_norm_backward, kind="elementwise")
+def layer_norm_backward(grad_out, input, normalized_shape, mean, rstd, weight=None, bias=None, *args, out_shape=None, **kwargs):
+    """native_layer_norm backward: twice the forward."""
+    return 2 * _norm_flops(input, weight, bias)
+
+
+@register(aten.native_group_norm_backward, kind="elementwise")
+def group_norm_backward(grad_out, input, mean, rstd, weight=None, *args, out_shape=None, **kwargs):
+    """native_group_norm backward: twice the forward (its schema has no bias)."""
+    return 2 * _norm_flops(input, weight, weight)
+
+
+@register(aten.native_batch_norm_backward, kind="elementwise")
+def batch_norm_backward(grad_out, input, weight=None, *args, out_shape=None, **kwargs):
+    """native_batch_norm backward: twice the forward (weight and bias together)."""
+    return 2 * _norm_flops(input, weight, weight)
+
+
+@register(aten.embedding, kind="embedding")
+def embedding(weight, indices, *args, out_shape=None, **kwargs):
+    """embedding: 1 per gathered element (rows × width)."""
+    return numel(indices) * weight[-1]
+
+
+@register(aten.embedding_dense_backward, kind="embedding")
+def embedding_backward(grad_output, indices, *args, out_shape=None, **kwargs):
+    """embedding backward: 1 per gradient element (a scatter-add)."""
+    return numel(grad_output)
