@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from fxflops import rules
+from fxflops import conventions, rules
 from fxflops.capture.compile import CountingBackend
 from fxflops.capture.trace import capture as _capture
 from fxflops.errors import (
@@ -24,7 +24,9 @@ from fxflops.errors import (
 )
 from fxflops.instrument import Instrumented, instrument
 from fxflops.meter import Meter
+from fxflops.conventions import Convention
 from fxflops.program import Program, Term, Unsupported, backward_rule
+from fxflops.verify import Verdict, verify
 
 
 def trace(
@@ -84,6 +86,10 @@ def backend(
 
 __all__ = [
     "CaptureError",
+    "Convention",
+    "Verdict",
+    "conventions",
+    "verify",
     "FxFlopsError",
     "GuardError",
     "InputError",

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
+    from fxflops.conventions import Convention
     from fxflops.program import Program
 
 
@@ -53,32 +54,36 @@ class Meter:
             return phase
         return ("fwd",) if phase in (None, "fwd") else ()
 
-    def total(self, phase: str | None = None) -> int:
-        """FLOPs of every counted call since the last reset (all phases unless ``phase``)."""
+    def total(self, phase: str | None = None, convention: Convention | None = None) -> int:
+        """FLOPs of every counted call since the last reset (all phases unless ``phase``), under
+        ``convention`` (default: each program's own)."""
         return sum(
-            program.evaluate(acc, "", self._phase(phase, training)) for program, acc, training, _ in self._on_host()
+            program.evaluate(acc, "", self._phase(phase, training), convention)
+            for program, acc, training, _ in self._on_host()
         )
 
-    def model_flops(self) -> int:
+    def model_flops(self, convention: Convention | None = None) -> int:
         """Forward + backward: the numerator of MFU (recomputation is not useful work)."""
-        return self.total(phase="fwd") + self.total(phase="bwd")
+        return self.total("fwd", convention) + self.total("bwd", convention)
 
-    def hardware_flops(self) -> int:
+    def hardware_flops(self, convention: Convention | None = None) -> int:
         """Forward + backward + activation-checkpointing recompute: the numerator of HFU."""
-        return self.total()
+        return self.total(None, convention)
 
-    def breakdown(self, depth: int | None = None, phase: str | None = None) -> dict[str, int]:
+    def breakdown(
+        self, depth: int | None = None, phase: str | None = None, convention: Convention | None = None
+    ) -> dict[str, int]:
         """Inclusive FLOPs per module path accumulated since the last reset."""
         out: dict[str, int] = {}
         for program, acc, training, prefix in self._on_host():
             phases = self._phase(phase, training)
             for path in program.modules(None if depth is None else depth - _depth(prefix)):
                 full = ".".join(p for p in (prefix, path) if p)
-                out[full] = out.get(full, 0) + program.evaluate(acc, path, phases)
+                out[full] = out.get(full, 0) + program.evaluate(acc, path, phases, convention)
             parts = prefix.split(".") if prefix else []
             for ancestor in ["", *(".".join(parts[: i + 1]) for i in range(len(parts) - 1))]:
                 if prefix and (depth is None or _depth(ancestor) <= depth):  # roll a submodule's graph up
-                    out[ancestor] = out.get(ancestor, 0) + program.evaluate(acc, "", phases)
+                    out[ancestor] = out.get(ancestor, 0) + program.evaluate(acc, "", phases, convention)
         return out
 
     def reset(self) -> None:

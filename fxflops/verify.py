@@ -1,0 +1,246 @@
+"""Check a hand-written FLOPs formula against the traced program, term by term.
+
+``fxflops.verify(program, formula, convention=MEGATRON)`` compares the program's closed form (under a
+convention) with ``formula``:
+
+* ``formula`` is a sympy expression in the program's symbols, or a Python callable whose parameters
+  are symbol names. A callable is first called with sympy symbols (plain arithmetic gives a closed
+  form, so the comparison is exact and symbolic); if that fails (``math.ceil``, ``if`` on a size, ...)
+  it is sampled numerically instead.
+* The **difference** traced − formula is attributed to modules: first whole module polynomials (or
+  groups of same-shaped modules, ``visual.blocks.*.mlp``) that the difference contains as a multiple
+  ("missing visual", "counted 4x: visual.merger"), then single monomials to the modules whose
+  polynomials have them ("768*text_p2: language_model.layers.*.self_attn"); what is left is a term no
+  traced module has (e.g. the ``tokens**2`` of a pack-length² approximation).
+* The **relative error** is sampled over a domain of symbol values within the program's guards.
+"""
+
+from __future__ import annotations
+
+import inspect
+import random
+import re
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import sympy
+from torch.utils._sympy.functions import FloorDiv
+
+from fxflops.conventions import Convention
+
+_INDEX = re.compile(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.|$)")
+
+
+def _plain(expr: sympy.Expr) -> sympy.Expr:
+    """torch's FloorDiv as sympy ``floor`` so that a formula written with ``//`` compares equal."""
+    return sympy.expand(sympy.sympify(expr).replace(FloorDiv, lambda a, b: sympy.floor(a / b)))
+
+
+@dataclass(frozen=True)
+class Attribution:
+    """A part of the difference: ``expr`` = ``factor`` × the polynomial of ``where`` (or one monomial)."""
+
+    where: str
+    expr: sympy.Expr
+    factor: sympy.Rational | None = None  # None: a single-monomial attribution
+
+    def __str__(self) -> str:
+        if self.factor is None:
+            coefficient, monomial = sympy.sympify(self.expr).as_coeff_Mul()
+            word = "missing" if coefficient > 0 else "extra"
+            return f"{word} {abs(coefficient) * monomial}: {self.where}"
+        times = 1 - self.factor  # the formula has ``times`` x the module's FLOPs
+        if times == 0:
+            return f"missing {self.where} (the formula leaves out {self.expr})"
+        change = "extra" if self.factor < 0 else "missing"
+        return f"counted {times}x: {self.where} ({change} {sympy.Abs(self.expr) if self.expr.is_number else -self.expr if self.factor < 0 else self.expr})"
+
+
+@dataclass
+class Verdict:
+    """The result of :func:`verify`; ``str(verdict)`` is a readable report."""
+
+    equal: bool
+    difference: sympy.Expr | None  # traced - formula; None when the formula was only sampled
+    traced: sympy.Expr
+    formula: sympy.Expr | None
+    convention: Convention
+    by_module: list[Attribution] = field(default_factory=list)
+    unexplained: sympy.Expr = sympy.Integer(0)
+    relative_error: float = 0.0
+    samples: int = 0
+
+    def __str__(self) -> str:
+        lines = [f"fxflops.verify under {self.convention.describe()}"]
+        lines.append(f"  traced : {self.traced}")
+        lines.append(f"  formula: {self.formula if self.formula is not None else '(sampled numerically)'}")
+        if self.equal:
+            lines.append("  EQUAL" + ("" if self.difference is not None else f" on {self.samples} samples"))
+            return "\n".join(lines)
+        if self.difference is not None:
+            lines.append(f"  DIFFERENT: traced - formula = {self.difference}")
+        else:
+            lines.append("  DIFFERENT on the sampled domain (a numeric formula: no symbolic difference)")
+        for attribution in self.by_module:
+            lines.append(f"    {attribution}")
+        if self.unexplained != 0:
+            lines.append(f"    not in any traced module: {self.unexplained}")
+        lines.append(f"  relative error over {self.samples} samples: max {100 * self.relative_error:.3g}%")
+        return "\n".join(lines)
+
+
+def _formula_expression(formula: Any, symbols: dict[str, sympy.Symbol]) -> sympy.Expr | None:
+    """The formula as a sympy expression in the program's symbols, or None if it is numeric only."""
+    if isinstance(formula, sympy.Basic):
+        by_name = {sympy.Symbol(name): sym for name, sym in symbols.items()}
+        return _plain(formula.xreplace({s: by_name.get(sympy.Symbol(s.name), s) for s in formula.free_symbols}))
+    names = _parameters(formula, symbols)
+    try:
+        value = formula(**{name: symbols[name] for name in names})
+        return _plain(sympy.sympify(value))
+    except (TypeError, ValueError, AttributeError, sympy.SympifyError):
+        return None
+
+
+def _parameters(formula: Callable[..., Any], symbols: dict[str, sympy.Symbol]) -> list[str]:
+    names = list(inspect.signature(formula).parameters)
+    unknown = [n for n in names if n not in symbols]
+    if unknown:
+        raise ValueError(f"formula parameters {unknown} are not program symbols {sorted(symbols)}")
+    return names
+
+
+def _module_polynomials(program: Any, phase: str | None, convention: Convention) -> list[tuple[str, sympy.Expr]]:
+    """(path or pattern, polynomial) for every module and every group of same-shaped modules
+    (numeric path parts as ``*``), shallowest first; the root last."""
+    polys: list[tuple[str, sympy.Expr]] = []
+    groups: dict[str, list[sympy.Expr]] = defaultdict(list)
+    for path in program.modules():
+        poly = _plain(program.formula(path, phase, convention))
+        if poly == 0 or path == "":
+            continue
+        polys.append((path, poly))
+        pattern = _INDEX.sub("*", path)
+        if pattern != path:
+            groups[pattern].append(poly)
+    polys += [(pattern, sympy.expand(sum(members))) for pattern, members in groups.items() if len(members) > 1]
+    polys.sort(key=lambda item: (item[0].count("."), "*" not in item[0]))
+    return [("<model>", _plain(program.formula("", phase, convention))), *polys]
+
+
+def _multiple(difference: sympy.Expr, poly: sympy.Expr) -> sympy.Integer | None:
+    """Integer r if ``difference`` contains r·``poly`` term for term (every monomial, same ratio): the
+    formula counts that module 1 - r times."""
+    d_terms, p_terms = difference.as_coefficients_dict(), poly.as_coefficients_dict()
+    ratio = None
+    for monomial, coefficient in p_terms.items():
+        if monomial not in d_terms:
+            return None
+        r = sympy.Rational(d_terms[monomial]) / sympy.Rational(coefficient)
+        if ratio is None:
+            ratio = r
+        elif r != ratio:
+            return None
+    # the formula counts the module 1 - r times: r = 1 (left out) or r <= -1 (counted 2x, 3x, ...)
+    return ratio if ratio is not None and ratio.is_integer and (ratio == 1 or ratio <= -1) else None
+
+
+def attribute(difference: sympy.Expr, modules: list[tuple[str, sympy.Expr]]) -> tuple[list[Attribution], sympy.Expr]:
+    """Explain ``difference`` by whole module polynomials (the model first, then shallowest modules),
+    then monomial by monomial: the deepest module (or group) holding exactly that term; else the
+    top-level modules if together they hold exactly it; else (a part of a term) the deepest modules
+    holding it. Returns the attributions and the unexplained rest."""
+    found: list[Attribution] = []
+    rest = sympy.expand(difference)
+    for where, poly in modules:
+        r = _multiple(rest, poly) if rest != 0 else None
+        if r is not None and r != 0:
+            found.append(Attribution(where, sympy.expand(r * poly), r))
+            rest = sympy.expand(rest - r * poly)
+    unexplained = sympy.Integer(0)
+    named = [(w, p.as_coefficients_dict()) for w, p in modules if w != "<model>"]
+    for monomial, coefficient in rest.as_coefficients_dict().items():
+        holders = [(w, terms[monomial]) for w, terms in named if monomial in terms]
+        exact = [w for w, c in holders if c == coefficient or c == -coefficient]
+        if exact:
+            deepest = max(w.count(".") for w in exact)
+            chosen = sorted(w for w in exact if w.count(".") == deepest)
+            found.append(Attribution(next((w for w in chosen if "*" in w), chosen[0]), coefficient * monomial))
+        elif holders:
+            top = [(w, c) for w, c in holders if "." not in w and "*" not in w]
+            if abs(sum(c for _, c in top)) == abs(coefficient):  # the term of the top-level modules together
+                found.append(Attribution(", ".join(sorted(w for w, _ in top)), coefficient * monomial))
+            else:  # a part of the term: where it is computed, the deepest holders
+                deepest = max(w.count(".") for w, _ in holders)
+                at = sorted(w for w, _ in holders if w.count(".") == deepest)
+                found.append(Attribution(", ".join([w for w in at if "*" in w][:1] or at), coefficient * monomial))
+        else:
+            unexplained += coefficient * monomial
+    return found, unexplained
+
+
+def _sample(program: Any, domain: dict[str, tuple[int, int]] | None, n: int, seed: int) -> list[dict[str, int]]:
+    """``n`` points of symbol values within the program's guards (power sums from random segments)."""
+    rng = random.Random(seed)
+    domain = domain or {}
+    families = {f.name for f in program.families}
+    points: list[dict[str, int]] = []
+    for _ in range(50 * n):
+        if len(points) == n:
+            break
+        point = {}
+        for sym in program.symbols:
+            name = str(sym)
+            family = next((f for f in families if name.startswith(f + "_p") and name[len(f) + 2 :].isdigit()), None)
+            if family is None:
+                lo, hi = domain.get(name, (1, 4096))
+                point[name] = rng.randint(lo, hi)
+        for family in families:
+            lengths = [rng.randint(*domain.get(f"{family}_length", (1, 512))) for _ in range(rng.randint(*domain.get(f"{family}_count", (1, 16))))]
+            for sym in program.symbols:
+                name = str(sym)
+                if name.startswith(family + "_p") and name[len(family) + 2 :].isdigit():
+                    point[name] = sum(s ** int(name[len(family) + 2 :]) for s in lengths)
+        ordered = tuple(point.get(str(s), 0) for s in program.all_symbols)
+        if program.within_guards(*ordered):
+            points.append(point)
+    return points
+
+
+def verify(
+    program: Any,
+    formula: Any,
+    *,
+    convention: Convention | None = None,
+    phase: str | None = None,
+    domain: dict[str, tuple[int, int]] | None = None,
+    samples: int = 200,
+    seed: int = 0,
+) -> Verdict:
+    """Compare ``formula`` with the program's FLOPs under ``convention`` (see the module docstring).
+
+    ``domain`` bounds the sampled symbol values (``{"tokens": (1, 8192)}``; for a segment family
+    ``<family>_count`` and ``<family>_length`` bound the random segments its power sums come from).
+    """
+    convention = convention or program.convention
+    symbols = {str(s): s for s in program.all_symbols}
+    traced = _plain(program.formula("", phase, convention))
+    expression = _formula_expression(formula, symbols)
+    points = _sample(program, domain, samples, seed)
+    traced_f = sympy.lambdify(list(symbols.values()), traced, "math") if points else None
+    if expression is not None:
+        difference = sympy.expand(traced - expression)
+        diff_f = sympy.lambdify(list(symbols.values()), difference, "math")
+        errors = [abs(diff_f(*[p.get(n, 0) for n in symbols])) / max(abs(traced_f(*[p.get(n, 0) for n in symbols])), 1) for p in points]
+        equal = difference == 0 or (bool(difference.atoms(sympy.floor)) and bool(points) and max(errors) == 0)
+        by_module, unexplained = ([], sympy.Integer(0)) if equal else attribute(difference, _module_polynomials(program, phase, convention))
+        return Verdict(equal, difference, traced, expression, convention, by_module, unexplained, max(errors, default=0.0), len(points))
+    names = _parameters(formula, symbols)
+    errors = []
+    for p in points:
+        want = traced_f(*[p.get(n, 0) for n in symbols])
+        got = formula(**{n: p[n] for n in names})
+        errors.append(abs(want - got) / max(abs(want), 1))
+    return Verdict(max(errors, default=0.0) == 0, None, traced, None, convention, relative_error=max(errors, default=0.0), samples=len(points))

@@ -1,0 +1,186 @@
+"""fxflops.verify and conventions: hand formulas checked against traced programs, term by term."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import sympy
+import torch
+
+import fxflops
+from fxflops.conventions import FLOPCOUNTER, MEGATRON, PALM, Convention
+from fxflops.formulas import gpt_training_flops, non_embedding_params, palm_flops_per_token
+from fxflops.models.tiny_gpt import GPTConfig, TinyGPT
+from fxflops.models.tiny_vlm import TinyVLM, VLMConfig, forward_flops_formula, random_batch
+from fxflops.testing import assert_formula
+
+GPT = GPTConfig(vocab=1024, hidden=96, heads=6, kv_heads=2, ffn=256, layers=2)  # vocab: a multiple of 128
+
+
+@pytest.fixture(scope="module")
+def gpt():
+    torch.manual_seed(0)
+    model = TinyGPT(GPT)
+    program = fxflops.trace(model, (torch.randint(0, 1024, (2, 9)),), dims={"input_ids": {0: "batch", 1: "seq"}}, backward=True)
+    return model, program
+
+
+def megatron(batch, seq):
+    """Megatron-LM's training FLOPs for this GPT (fxflops.formulas, written from its published math)."""
+    return gpt_training_flops(
+        tokens=batch * seq, sum_seq_squared=batch * seq**2, layers=GPT.layers, hidden=GPT.hidden,
+        ffn_hidden=GPT.ffn, heads=GPT.heads, query_groups=GPT.kv_heads, kv_channels=GPT.head_dim,
+        vocab=GPT.vocab, glu=True,
+    )
+
+
+def test_megatron_gpt_equals_megatron_formula_symbolically(gpt):
+    _, program = gpt
+    verdict = assert_formula(program, megatron, convention=MEGATRON)
+    assert verdict.difference == 0
+
+
+def test_flopcounter_convention_differs_from_megatron_by_the_attention_core_only(gpt):
+    """Traced (FlopCounterMode convention): causal not halved and the fused attention backward is
+    2.5x its forward: core 4 + 10 = 14·L·q·b·s² against Megatron's 6·L·q·b·s²; every GEMM agrees."""
+    _, program = gpt
+    verdict = fxflops.verify(program, megatron, convention=FLOPCOUNTER)
+    batch, seq = sympy.symbols("batch seq", integer=True, positive=True)
+    q = GPT.heads * GPT.head_dim
+    assert sympy.expand(verdict.difference.subs({s: sympy.Symbol(str(s), integer=True, positive=True) for s in verdict.difference.free_symbols}) - 8 * GPT.layers * q * batch * seq**2) == 0
+    assert [a.where for a in verdict.by_module] == ["layers.*.attn"]
+    assert "layers.*.attn" in str(verdict)
+
+
+def test_palm_formula_differences_are_the_expected_terms(gpt):
+    """PaLM/nanoGPT 6N + 12·L·H·Q·T: N includes the RMSNorm weights, which do no matmul, so the
+    formula has 6·N_norm extra FLOPs per token; under Megatron's causal halving its attention term is
+    also twice the traced one (12 vs 6·L·q·s per token)."""
+    model, program = gpt
+    n_params = non_embedding_params(model)
+    n_norm = sum(p.numel() for name, p in model.named_parameters() if "norm" in name)
+
+    def palm(batch, seq):
+        return batch * seq * palm_flops_per_token(n_params=n_params, layers=GPT.layers, heads=GPT.heads, head_dim=GPT.head_dim, seq=seq)
+
+    batch, seq = (sympy.Symbol(n, integer=True, positive=True) for n in ("batch", "seq"))
+    verdict = fxflops.verify(program, palm, convention=PALM)
+    assert sympy.expand(_rename(verdict.difference) + 6 * n_norm * batch * seq) == 0
+    halved = fxflops.verify(program, palm, convention=MEGATRON)
+    q = GPT.heads * GPT.head_dim
+    assert sympy.expand(_rename(halved.difference) + 6 * n_norm * batch * seq + 6 * GPT.layers * q * batch * seq**2) == 0
+
+
+def _rename(expr):
+    return expr.xreplace({s: sympy.Symbol(str(s), integer=True, positive=True) for s in expr.free_symbols})
+
+
+@pytest.fixture(scope="module")
+def vlm():
+    cfg = VLMConfig()
+    torch.manual_seed(0)
+    program = fxflops.trace(
+        TinyVLM(cfg), random_batch(cfg, random.Random(0)).inputs(),
+        dims={"input_ids": {1: "tokens"}, "pixel_values": {0: "patches"}},
+        segments={"cu_seqlens": "text", "image_grid_thw": "frames"},
+    )
+    return cfg, program
+
+
+def test_correct_vlm_formula_verifies(vlm):
+    cfg, program = vlm
+    assert_formula(program, lambda tokens, patches, text_p2, frames_p2: forward_flops_formula(cfg, tokens, patches, text_p2, frames_p2))
+
+
+def _wrong_formulas(cfg):
+    right = lambda *sizes: forward_flops_formula(cfg, *sizes)  # noqa: E731
+    width = cfg.merge**2 * cfg.vision_hidden
+    merger = 2 * (width * width + width * cfg.hidden)
+    return {
+        "no vision term": (lambda tokens, patches, text_p2, frames_p2: right(tokens, 0, text_p2, 0), "missing visual"),
+        "pack length squared": (
+            lambda tokens, patches, text_p2, frames_p2: right(tokens, patches, tokens**2, frames_p2),
+            "missing 768*text_p2: language_model.layers.*.self_attn",
+        ),
+        "merger counted 4x": (
+            lambda tokens, patches, text_p2, frames_p2: right(tokens, patches, text_p2, frames_p2) + 3 * merger * (patches // 4),
+            "counted 4x: visual.merger",
+        ),
+        "static seq_length": (
+            lambda tokens, patches, text_p2, frames_p2: right(4096, patches, text_p2, frames_p2),
+            "language_model, lm_head",
+        ),
+        "virtual pipeline x2": (
+            lambda tokens, patches, text_p2, frames_p2: 2 * right(tokens, patches, text_p2, frames_p2),
+            "counted 2x: <model>",
+        ),
+    }
+
+
+@pytest.mark.parametrize("bug", list(_wrong_formulas(VLMConfig())))
+def test_wrong_vlm_formulas_are_caught_and_attributed(vlm, bug):
+    cfg, program = vlm
+    formula, expected = _wrong_formulas(cfg)[bug]
+    verdict = fxflops.verify(program, formula)
+    assert not verdict.equal and verdict.relative_error > 0
+    assert any(expected in str(a) for a in verdict.by_module), str(verdict)
+    with pytest.raises(AssertionError, match="DIFFERENT"):
+        assert_formula(program, formula)
+
+
+def test_numeric_formula_is_sampled(vlm):
+    """A formula that cannot take symbols (math.ceil on a size) is compared on sampled values."""
+    import math
+
+    cfg, program = vlm
+
+    def with_ceil(tokens, patches, text_p2, frames_p2):
+        return forward_flops_formula(cfg, tokens, patches, text_p2, frames_p2) + 0 * math.ceil(tokens / 7)
+
+    verdict = fxflops.verify(program, with_ceil, samples=50)
+    assert verdict.equal and verdict.difference is None and verdict.samples == 50
+
+
+def test_causal_conventions_on_packed_text():
+    """Causal varlen attention per sequence of s tokens: full 4·H·D·s², half 2·H·D·s², exact
+    2·H·D·s(s+1) (query-key pairs of the lower triangle), summed over the packed sequences."""
+    cfg = VLMConfig(vision_layers=1, layers=1)
+    torch.manual_seed(0)
+    model = TinyVLM(cfg)
+    batch = random_batch(cfg, random.Random(3), sequences=(3, 6))
+    program = fxflops.trace(model, batch.inputs(), dims={"input_ids": {1: "tokens"}, "pixel_values": {0: "patches"}})
+    lengths = batch.sequence_lengths
+    h = cfg.hidden  # heads · head_dim
+    full = program.total(convention=FLOPCOUNTER, **_sizes(program, batch))
+    half = program.total(convention=FLOPCOUNTER.but(causal="half"), **_sizes(program, batch))
+    exact = program.total(convention=FLOPCOUNTER.but(causal="exact"), **_sizes(program, batch))
+    assert full - half == sum(2 * h * s * s for s in lengths)
+    assert full - exact == sum(4 * h * s * s - 2 * h * s * (s + 1) for s in lengths)
+    macs = program.total(convention=FLOPCOUNTER.but(unit="macs"), **_sizes(program, batch))
+    assert 2 * macs == full
+
+
+def _sizes(program, batch):
+    values = dict(zip(map(str, program.all_symbols), program.binder.values(batch.inputs(), {})))
+    return {str(s): values[str(s)] for s in program.symbols}
+
+
+def test_count_all_and_embeddings_add_documented_costs():
+    """count='all' adds the elementwise costs (e.g. SiLU and the gating multiply: 1 per element each);
+    embeddings=True adds one per gathered element. The matmul part is unchanged."""
+    torch.manual_seed(0)
+    model = TinyGPT(GPTConfig(vocab=100, hidden=32, heads=2, kv_heads=1, ffn=48, layers=1))
+    program = fxflops.trace(model, (torch.randint(0, 100, (2, 5)),), dims={"input_ids": {0: "b", 1: "s"}})
+    matmul = program.total(b=2, s=5)
+    everything = program.total(convention=FLOPCOUNTER.but(count="all"), b=2, s=5)
+    mlp_elementwise = program.total(convention=FLOPCOUNTER.but(count="all"), b=2, s=5) - matmul
+    assert everything > matmul and mlp_elementwise >= 2 * 2 * 5 * 48  # silu + multiply over (b, s, ffn)
+    with_embeddings = program.total(convention=FLOPCOUNTER.but(embeddings=True), b=2, s=5)
+    assert with_embeddings - matmul == 2 * 5 * 32
+    assert "embedding gathers counted" in program.table(convention=FLOPCOUNTER.but(embeddings=True), b=2, s=5)
+
+
+def test_convention_rejects_unknown_choices():
+    with pytest.raises(ValueError, match="causal"):
+        Convention(causal="quarter")
