@@ -164,14 +164,15 @@ def _graph_terms(
         entry = entry_for(op)
         if entry is None:
             inputs = [_tensor_values(a) for a in (*node.args, *node.kwargs.values())]
-            elementwise = elementwise_flops(op, node, named)
+            floating = touches_floats(inputs, node.meta.get("val"))
+            elementwise = elementwise_flops(op, node, named) if floating else None
             if elementwise is not None:
                 if elementwise != 0:
                     terms.append(Term(node.name, str(op), path, phase, elementwise, kind="elementwise"))
             elif (
                 isinstance(op, torch._ops.OpOverload | torch._ops.HigherOrderOperator)
                 and not is_not_counted(op)
-                and touches_floats(inputs, node.meta.get("val"))
+                and floating
             ):
                 unsupported.append(Unsupported(node.name, str(op), path))
             continue
@@ -324,8 +325,7 @@ class Program:
             chain = _ancestors(path)
             nx.add_path(self.tree, chain)
         self._compile()
-        used = set().union(*(m.free_symbols for m in self.basis), *(g.expr.free_symbols for g in guards))
-        self.symbols = tuple(s for s in self.all_symbols if s in used)
+        self.symbols = self.required_symbols()
 
     @classmethod
     def from_capture(
@@ -437,14 +437,23 @@ class Program:
         self.within_guards: Callable[..., bool] = scope["within_guards"]
 
     # ---- evaluation ---------------------------------------------------------------------------
-    def values_of(self, **values: int) -> tuple[int, ...]:
-        """Values in the binder's symbol order (symbols no polynomial or guard uses may be left out);
-        raise on a missing one, an unknown name, or values outside the guards."""
-        missing = [str(s) for s in self.symbols if str(s) not in values]
+    def required_symbols(self, convention: Convention | None = None) -> tuple[sympy.Symbol, ...]:
+        """The symbols the polynomials of ``convention`` (default: the program's) and the guards use."""
+        used = set().union(
+            *(f.free_symbols for f in self._formulas(convention or self.convention).values()),
+            *(g.expr.free_symbols for g in self.guards),
+        )
+        return tuple(s for s in self.all_symbols if s in used)
+
+    def values_of(self, convention: Convention | None = None, **values: int) -> tuple[int, ...]:
+        """Values in the binder's symbol order (symbols the convention's polynomials and the guards do
+        not use may be left out); raise on a missing one, an unknown name, or values outside the guards."""
+        required = self.required_symbols(convention)
+        missing = [str(s) for s in required if str(s) not in values]
         unknown = sorted(set(values) - {str(s) for s in self.all_symbols})
         if missing or unknown:
             problem = f"no value for symbol(s) {missing}" if missing else f"unknown symbol(s) {unknown}"
-            raise UnboundSymbolError(f"{problem}; the program's symbols are {[str(s) for s in self.symbols]}")
+            raise UnboundSymbolError(f"{problem}; the program's symbols are {[str(s) for s in required]}")
         ordered = tuple(int(values.get(str(s), 0)) for s in self.all_symbols)
         if not self.within_guards(*ordered):
             raise GuardError(self.explain_guard_failure(ordered))
@@ -476,13 +485,13 @@ class Program:
 
     def total(self, phase: str | None = None, convention: Convention | None = None, **values: int) -> int:
         """Total FLOPs at these symbol values, e.g. ``program.total(seq=2048)``."""
-        return self.evaluate(self.monomials(*self.values_of(**values)), "", phase, convention)
+        return self.evaluate(self.monomials(*self.values_of(convention, **values)), "", phase, convention)
 
     def breakdown(
         self, depth: int | None = None, phase: str | None = None, convention: Convention | None = None, **values: int
     ) -> dict[str, int]:
         """Inclusive FLOPs of every module (``depth``: only paths at most that deep; root depth 0)."""
-        m = self.monomials(*self.values_of(**values))
+        m = self.monomials(*self.values_of(convention, **values))
         return {path: self.evaluate(m, path, phase, convention) for path in self.modules(depth)}
 
     def modules(self, depth: int | None = None) -> list[str]:

@@ -67,10 +67,18 @@ class Verdict:
     traced: sympy.Expr
     formula: sympy.Expr | None
     convention: Convention
-    by_module: list[Attribution] = field(default_factory=list)
+    attributions: list[Attribution] = field(default_factory=list)
     unexplained: sympy.Expr = sympy.Integer(0)
     relative_error: float = 0.0
     samples: int = 0
+
+    @property
+    def by_module(self) -> dict[str, sympy.Expr]:
+        """Module path (or group ``a.*.b``) -> the part of the difference its polynomial explains."""
+        parts: dict[str, sympy.Expr] = {}
+        for a in self.attributions:
+            parts[a.where] = parts.get(a.where, sympy.Integer(0)) + a.expr
+        return parts
 
     def __str__(self) -> str:
         lines = [f"fxflops.verify under {self.convention.describe()}"]
@@ -83,7 +91,7 @@ class Verdict:
             lines.append(f"  DIFFERENT: traced - formula = {self.difference}")
         else:
             lines.append("  DIFFERENT on the sampled domain (a numeric formula: no symbolic difference)")
-        for attribution in self.by_module:
+        for attribution in self.attributions:
             lines.append(f"    {attribution}")
         if self.unexplained != 0:
             lines.append(f"    not in any traced module: {self.unexplained}")
@@ -112,14 +120,14 @@ def _parameters(formula: Callable[..., Any], symbols: dict[str, sympy.Symbol]) -
     return names
 
 
-def _module_polynomials(program: Any, phase: str | None, convention: Convention) -> list[tuple[str, sympy.Expr]]:
-    """(path or pattern, polynomial) for every module and every group of same-shaped modules
-    (numeric path parts as ``*``), shallowest first; the root last."""
+def _module_polynomials(program: Any, root: str, phase: str | None, convention: Convention) -> list[tuple[str, sympy.Expr]]:
+    """(path or pattern, polynomial) for ``root`` first, then every module below it and every group
+    of same-shaped modules (numeric path parts as ``*``), shallowest first."""
     polys: list[tuple[str, sympy.Expr]] = []
     groups: dict[str, list[sympy.Expr]] = defaultdict(list)
     for path in program.modules():
         poly = _plain(program.formula(path, phase, convention))
-        if poly == 0 or path == "":
+        if poly == 0 or path == root or not path.startswith(f"{root}." if root else ""):
             continue
         polys.append((path, poly))
         pattern = _INDEX.sub("*", path)
@@ -127,7 +135,7 @@ def _module_polynomials(program: Any, phase: str | None, convention: Convention)
             groups[pattern].append(poly)
     polys += [(pattern, sympy.expand(sum(members))) for pattern, members in groups.items() if len(members) > 1]
     polys.sort(key=lambda item: (item[0].count("."), "*" not in item[0]))
-    return [("<model>", _plain(program.formula("", phase, convention))), *polys]
+    return [(root or "<model>", _plain(program.formula(root, phase, convention))), *polys]
 
 
 def _multiple(difference: sympy.Expr, poly: sympy.Expr) -> sympy.Integer | None:
@@ -160,7 +168,7 @@ def attribute(difference: sympy.Expr, modules: list[tuple[str, sympy.Expr]]) -> 
             found.append(Attribution(where, sympy.expand(r * poly), r))
             rest = sympy.expand(rest - r * poly)
     unexplained = sympy.Integer(0)
-    named = [(w, p.as_coefficients_dict()) for w, p in modules if w != "<model>"]
+    named = [(w, p.as_coefficients_dict()) for w, p in modules[1:]]
     for monomial, coefficient in rest.as_coefficients_dict().items():
         holders = [(w, terms[monomial]) for w, terms in named if monomial in terms]
         exact = [w for w, c in holders if c == coefficient or c == -coefficient]
@@ -215,18 +223,20 @@ def verify(
     *,
     convention: Convention | None = None,
     phase: str | None = None,
+    module: str = "",
     domain: dict[str, tuple[int, int]] | None = None,
     samples: int = 200,
     seed: int = 0,
 ) -> Verdict:
-    """Compare ``formula`` with the program's FLOPs under ``convention`` (see the module docstring).
+    """Compare ``formula`` with the program's FLOPs under ``convention`` (see the module docstring):
+    the whole model, or the subtree at ``module`` (e.g. ``"visual"`` against a ViT formula).
 
     ``domain`` bounds the sampled symbol values (``{"tokens": (1, 8192)}``; for a segment family
     ``<family>_count`` and ``<family>_length`` bound the random segments its power sums come from).
     """
     convention = convention or program.convention
     symbols = {str(s): s for s in program.all_symbols}
-    traced = _plain(program.formula("", phase, convention))
+    traced = _plain(program.formula(module, phase, convention))
     expression = _formula_expression(formula, symbols)
     points = _sample(program, domain, samples, seed)
     traced_f = sympy.lambdify(list(symbols.values()), traced, "math") if points else None
@@ -235,8 +245,10 @@ def verify(
         diff_f = sympy.lambdify(list(symbols.values()), difference, "math")
         errors = [abs(diff_f(*[p.get(n, 0) for n in symbols])) / max(abs(traced_f(*[p.get(n, 0) for n in symbols])), 1) for p in points]
         equal = difference == 0 or (bool(difference.atoms(sympy.floor)) and bool(points) and max(errors) == 0)
-        by_module, unexplained = ([], sympy.Integer(0)) if equal else attribute(difference, _module_polynomials(program, phase, convention))
-        return Verdict(equal, difference, traced, expression, convention, by_module, unexplained, max(errors, default=0.0), len(points))
+        found, unexplained = (
+            ([], sympy.Integer(0)) if equal else attribute(difference, _module_polynomials(program, module, phase, convention))
+        )
+        return Verdict(equal, difference, traced, expression, convention, found, unexplained, max(errors, default=0.0), len(points))
     names = _parameters(formula, symbols)
     errors = []
     for p in points:
