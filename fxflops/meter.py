@@ -92,11 +92,13 @@ class Meter:
         self.calls = 0
         self.uncounted = 0
 
-    def table(self, depth: int | None = None) -> str:
-        """The accumulated breakdown as a readable table."""
+    def table(self, depth: int | None = None, convention: Convention | None = None) -> str:
+        """The accumulated breakdown as a readable table, headed by the convention it counts in."""
+        from fxflops.conventions import FLOPCOUNTER
         from fxflops.report import meter_table
 
-        return meter_table(self.breakdown(depth))
+        named = convention or next((p.convention for p, *_ in self._sums.values()), FLOPCOUNTER)
+        return f"convention {named.describe()}\n" + meter_table(self.breakdown(depth, convention=convention))
 
 
 def _depth(path: str) -> int:

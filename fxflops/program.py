@@ -219,7 +219,13 @@ def _is_causal(node: torch.fx.Node) -> bool:
 
 
 def _mask_notes(node: torch.fx.Node, path: str) -> list[str]:
-    """Attention given a dense mask is counted as the dense work its kernel does; say so."""
+    """Attention given a mask fxflops cannot read (a dense mask tensor, a flex block mask) is counted
+    as dense work, under every convention; say so."""
+    if "flex_attention" in str(node.target):
+        return [
+            f"{path or '<root>'}: {node.target}'s score_mod and block mask are not read; counted dense under "
+            "every convention (a causal block mask is not halved)"
+        ]
     given = _given_arguments(node)
     return [
         f"{path or '<root>'}: {node.target} has a mask ({name}); counted as the dense work the kernel does, "
