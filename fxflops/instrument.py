@@ -43,6 +43,7 @@ class Instrumented(torch.nn.Module):
         on_miss: str,
         strict: bool,
         max_programs: int,
+        meter: Meter | None,
     ) -> None:
         if on_miss not in ON_MISS:
             raise ValueError(f"on_miss must be one of {ON_MISS}, not {on_miss!r}")
@@ -63,7 +64,7 @@ class Instrumented(torch.nn.Module):
         self.strict = strict
         self.max_programs = max_programs
         self.programs: list[Program] = []
-        self.flops = Meter()
+        self.flops = meter if meter is not None else Meter()
         self.captures = 0
         self._warned: set[str] = set()
         self._failed: dict[tuple, str] = {}
@@ -168,6 +169,7 @@ def instrument(
     on_miss: str = "recapture",
     strict: bool = False,
     max_programs: int = 8,
+    meter: Meter | None = None,
 ) -> Instrumented:
     """Wrap ``model`` so every call adds its FLOPs to ``wrapper.flops`` (see module docstring).
 
@@ -176,7 +178,11 @@ def instrument(
     families found automatically). With ``backward``, a call made with grad enabled whose output
     requires grad counts its backward (and recompute) too, on the assumption that a backward from its
     output follows; a forward under ``torch.no_grad()`` counts the forward only.
+
+    ``meter`` shares one Meter between several wrappers: the pipeline stages or virtual-pipeline chunks
+    a rank runs, each instrumented on its own, count every layer once however the schedule interleaves
+    their microbatches.
     """
     return Instrumented(
-        model, dims, segments, per_segment, strict_metadata, backward, on_miss, strict, max_programs
+        model, dims, segments, per_segment, strict_metadata, backward, on_miss, strict, max_programs, meter
     )

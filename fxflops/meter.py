@@ -1,14 +1,22 @@
-"""Meter: accumulates counted calls as monomial sums, reads totals and breakdowns on demand.
+"""Meter: accumulates counted calls as monomial sums, reads totals, breakdowns and reports on demand.
 
 Each program (one per capture branch) has its own monomial basis; a call adds its monomial vector to
 that program's accumulator (a few integer additions, whatever the number of modules). Entries that
 come from device metadata (segment power sums) are 0-d tensors and accumulate on their device; they
 are copied to the host once per read. Totals and breakdowns are ``C · Σm`` at read time, in exact
 Python integers (no overflow at 10²¹ FLOPs).
+
+For training: microbatches (gradient accumulation included) add up, ``meter.step()`` closes an
+optimizer step, and ``meter.report()`` turns everything since the last report into a :class:`Report`
+— FLOPs per step by phase, TFLOP/s per GPU, MFU and HFU against the device's peak, per-module TFLOP/s
+and shares, tokens and images per second — summed over a ``torch.distributed`` group with one
+collective, then starts over.
 """
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -29,6 +37,8 @@ class Meter:
         self._sums: dict[tuple[int, bool, str], tuple[Program, list[int], bool, str]] = {}
         self.calls = 0
         self.uncounted = 0
+        self.steps = 0
+        self._started = time.perf_counter()
 
     def add(self, program: Program, monomials: tuple[int, ...], training: bool = True, prefix: str = "") -> None:
         """Add one call's monomial vector for ``program`` (``training=False``: forward only).
@@ -87,10 +97,117 @@ class Meter:
         return out
 
     def reset(self) -> None:
-        """Forget every accumulated call."""
+        """Forget every accumulated call and step; restart the report timer."""
         self._sums.clear()
         self.calls = 0
         self.uncounted = 0
+        self.steps = 0
+        self._started = time.perf_counter()
+
+    def step(self) -> None:
+        """Close an optimizer step (after its microbatches): reports average over steps."""
+        self.steps += 1
+
+    def symbol_total(self, name: str) -> int:
+        """Sum over the counted calls of one symbol's value (e.g. ``"tokens"``), 0 if no program has it."""
+        total = 0
+        for program, acc, _, _ in self._on_host():
+            for column, monomial in enumerate(program.basis):
+                if str(monomial) == name:
+                    total += acc[column]
+        return total
+
+    def totals(self, depth: int | None = 1, convention: Convention | None = None) -> dict[str, Any]:
+        """Everything a report needs, as exact Python ints (the payload of :meth:`all_reduce`)."""
+        forward, backward = (self.breakdown(depth, phase, convention) for phase in ("fwd", "bwd"))
+        return {
+            "phases": {ph: self.total(ph, convention) for ph in ("fwd", "bwd", "recompute")},
+            "modules": {path: forward.get(path, 0) + backward.get(path, 0) for path in forward | backward},
+            "calls": self.calls,
+            "uncounted": self.uncounted,
+            "steps": self.steps,
+        }
+
+    def all_reduce(self, totals: dict[str, Any], group: Any = None) -> dict[str, Any]:
+        """Sum :meth:`totals` payloads over a ``torch.distributed`` group with one collective
+        (``all_gather_object``: exact Python ints, module paths that differ between ranks — pipeline
+        stages — merged by name). Steps are the maximum over ranks, not a sum."""
+        import torch.distributed as dist
+
+        gathered: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, totals, group=group)
+        merged: dict[str, Any] = {"phases": {}, "modules": {}, "calls": 0, "uncounted": 0, "steps": 0}
+        for part in gathered:
+            for key in ("phases", "modules"):
+                for name, value in part[key].items():
+                    merged[key][name] = merged[key].get(name, 0) + value
+            merged["calls"] += part["calls"]
+            merged["uncounted"] += part["uncounted"]
+            merged["steps"] = max(merged["steps"], part["steps"])
+            for counter in ("tokens", "images"):
+                if counter in part:
+                    merged[counter] = merged.get(counter, 0) + part[counter]
+        return merged
+
+    def report(
+        self,
+        elapsed_s: float | None = None,
+        *,
+        depth: int | None = 1,
+        convention: Convention | None = None,
+        peak_flops: float | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype = torch.bfloat16,
+        tokens: str | None = None,
+        images: str | None = None,
+        group: Any = None,
+        reset: bool = True,
+    ) -> Report:
+        """A :class:`Report` of everything since the last report (then the meter starts over).
+
+        ``elapsed_s`` defaults to the wall time since the last report (on an accelerator, synchronise
+        before timing). ``peak_flops`` (per device) overrides the peak table; otherwise the peak of
+        ``device``'s name and ``dtype`` is looked up (no MFU, with the reason, when unknown).
+        ``tokens``/``images`` name the symbols whose sums are the tokens and images processed. With a
+        ``torch.distributed`` group (or the default one when initialised with several ranks) the
+        numbers are summed over it in one collective and TFLOP/s are per GPU.
+        """
+        import torch.distributed as dist
+
+        from fxflops.conventions import FLOPCOUNTER
+        from fxflops.peaks import lookup_peak
+
+        elapsed = time.perf_counter() - self._started if elapsed_s is None else elapsed_s
+        named = convention or next((p.convention for p, *_ in self._sums.values()), FLOPCOUNTER)
+        totals = self.totals(depth, convention)
+        for counter, symbol in (("tokens", tokens), ("images", images)):
+            if symbol is not None:
+                totals[counter] = self.symbol_total(symbol)
+        distributed = group is not None or (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
+        world_size = dist.get_world_size(group) if distributed else 1
+        if distributed:
+            totals = self.all_reduce(totals, group)
+        if peak_flops is not None:
+            peak, source = float(peak_flops), "given by the user"
+        else:
+            peak, source = lookup_peak(device, dtype)
+        report = Report(
+            steps=max(totals["steps"], 1),
+            elapsed_s=elapsed,
+            world_size=world_size,
+            convention=named,
+            flops=totals["phases"],
+            modules=totals["modules"],
+            tokens=totals.get("tokens"),
+            images=totals.get("images"),
+            peak_flops=peak,
+            peak_source=source,
+            calls=totals["calls"],
+            uncounted=totals["uncounted"],
+        )
+        if reset:
+            self.reset()
+        return report
 
     def table(self, depth: int | None = None, convention: Convention | None = None) -> str:
         """The accumulated breakdown as a readable table, headed by the convention it counts in."""
@@ -99,6 +216,103 @@ class Meter:
 
         named = convention or next((p.convention for p, *_ in self._sums.values()), FLOPCOUNTER)
         return f"convention {named.describe()}\n" + meter_table(self.breakdown(depth, convention=convention))
+
+
+@dataclass
+class Report:
+    """What a training run logs every N steps (see :meth:`Meter.report`). FLOPs are global (summed
+    over ranks); rates are per GPU. ``peak_flops`` is ``None`` when the device's peak is unknown:
+    then there is no MFU and ``peak_source`` says why."""
+
+    steps: int
+    elapsed_s: float
+    world_size: int
+    convention: Convention
+    flops: dict[str, int]  # by phase, over the reported steps
+    modules: dict[str, int]  # model FLOPs (fwd + bwd) per module path
+    tokens: int | None = None
+    images: int | None = None
+    peak_flops: float | None = None
+    peak_source: str = ""
+    calls: int = 0
+    uncounted: int = 0
+
+    @property
+    def model_flops(self) -> int:
+        """Forward + backward (MFU's numerator)."""
+        return self.flops.get("fwd", 0) + self.flops.get("bwd", 0)
+
+    @property
+    def hardware_flops(self) -> int:
+        """Forward + backward + recompute (HFU's numerator)."""
+        return self.model_flops + self.flops.get("recompute", 0)
+
+    def _per_gpu_per_s(self, flops: int) -> float:
+        return flops / self.elapsed_s / self.world_size if self.elapsed_s > 0 else 0.0
+
+    @property
+    def tflops_per_gpu(self) -> float:
+        """Model TFLOP/s per GPU: global model FLOPs / time / world size / 1e12 (Megatron's unit)."""
+        return self._per_gpu_per_s(self.model_flops) / 1e12
+
+    @property
+    def mfu(self) -> float | None:
+        """Model FLOPs utilisation against the device's dense peak, or None when the peak is unknown."""
+        return None if self.peak_flops is None else self._per_gpu_per_s(self.model_flops) / self.peak_flops
+
+    @property
+    def hfu(self) -> float | None:
+        """Hardware FLOPs utilisation (recompute included), or None when the peak is unknown."""
+        return None if self.peak_flops is None else self._per_gpu_per_s(self.hardware_flops) / self.peak_flops
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        return None if self.tokens is None or self.elapsed_s <= 0 else self.tokens / self.elapsed_s
+
+    @property
+    def images_per_s(self) -> float | None:
+        return None if self.images is None or self.elapsed_s <= 0 else self.images / self.elapsed_s
+
+    def metrics(self, prefix: str = "fxflops/") -> dict[str, float]:
+        """A flat dict of numbers for any logger (TensorBoard, W&B, a Trainer's logs)."""
+        out: dict[str, float] = {
+            f"{prefix}flops_per_step": self.hardware_flops / self.steps,
+            f"{prefix}model_flops_per_step": self.model_flops / self.steps,
+            f"{prefix}tflops_per_gpu": self.tflops_per_gpu,
+        }
+        for phase, flops in self.flops.items():
+            out[f"{prefix}{phase}_flops_per_step"] = flops / self.steps
+        if self.mfu is not None:
+            out[f"{prefix}mfu"] = self.mfu
+            out[f"{prefix}hfu"] = self.hfu
+        if self.tokens_per_s is not None:
+            out[f"{prefix}tokens_per_s"] = self.tokens_per_s
+        if self.images_per_s is not None:
+            out[f"{prefix}images_per_s"] = self.images_per_s
+        total = self.modules.get("", 0) or 1
+        for path, flops in self.modules.items():
+            if path:
+                out[f"{prefix}share/{path}"] = flops / total
+                out[f"{prefix}tflops_per_gpu/{path}"] = self._per_gpu_per_s(flops) / 1e12
+        return out
+
+    def __str__(self) -> str:
+        mfu = f"MFU {100 * self.mfu:.1f}% HFU {100 * self.hfu:.1f}%" if self.mfu is not None else f"no MFU ({self.peak_source})"
+        lines = [
+            f"{self.steps} step(s) in {self.elapsed_s:.3f} s on {self.world_size} GPU(s): "
+            f"{self.tflops_per_gpu:.4g} TFLOP/s per GPU, {mfu}",
+            f"  per step: fwd {self.flops.get('fwd', 0) / self.steps:,.0f}  bwd {self.flops.get('bwd', 0) / self.steps:,.0f}  "
+            f"recompute {self.flops.get('recompute', 0) / self.steps:,.0f} FLOPs ({self.convention.name})",
+        ]
+        if self.tokens_per_s is not None:
+            lines.append(f"  {self.tokens_per_s:,.0f} tokens/s" + (f", {self.images_per_s:,.1f} images/s" if self.images_per_s is not None else ""))
+        total = self.modules.get("", 0) or 1
+        for path, flops in self.modules.items():
+            if path and flops:
+                lines.append(f"  {path:<24} {100 * flops / total:5.1f}%  {self._per_gpu_per_s(flops) / 1e12:.4g} TFLOP/s")
+        if self.uncounted:
+            lines.append(f"  {self.uncounted} call(s) not counted (see the warnings)")
+        return "\n".join(lines)
 
 
 def _depth(path: str) -> int:

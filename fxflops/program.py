@@ -426,9 +426,9 @@ class Program:
         self._formula_cache: dict[Convention, dict[tuple[str, str], sympy.Expr]] = {}
         self._row_cache: dict[Convention, tuple[dict, int]] = {}
         variants = [t.flops for t in self.terms] + [t.causal_exact for t in self.terms if t.causal_exact is not None]
-        self.basis: tuple[sympy.Expr, ...] = tuple(
-            sorted({m for v in variants for m in sympy.expand(v).as_coefficients_dict()}, key=sympy.default_sort_key)
-        )
+        monomials = {m for v in variants for m in sympy.expand(v).as_coefficients_dict()}
+        # every symbol is a monomial too, so a Meter also sums sizes (tokens, images) per call
+        self.basis: tuple[sympy.Expr, ...] = tuple(sorted(monomials | set(self.all_symbols), key=sympy.default_sort_key))
         names = {sym: f"v{i}" for i, sym in enumerate(self.all_symbols)}
         params = ", ".join(names.values())
         monomials = ", ".join(python_source(m, names) for m in self.basis)

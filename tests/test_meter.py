@@ -1,0 +1,139 @@
+"""Meter arithmetic: microbatches, steps, reports, exactness past int64, distributed sums (gloo)."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+import fxflops
+from fxflops.models.tiny_gpt import GPTConfig, TinyGPT
+
+CFG = GPTConfig(vocab=100, hidden=32, heads=2, kv_heads=1, ffn=48, layers=4)
+
+
+def test_gradient_accumulation_steps_and_report():
+    """Two microbatches per step, two steps: the report covers all four, per step is half."""
+    torch.manual_seed(0)
+    model = TinyGPT(CFG)
+    wrapper = fxflops.instrument(model, dims={"input_ids": {0: "b", 1: "s"}}, backward=True)
+    shapes = [(2, 7), (2, 11), (3, 5), (1, 30)]
+    for i, (b, s) in enumerate(shapes):
+        wrapper(torch.randint(0, 100, (b, s))).sum().backward()
+        if i % 2 == 1:
+            wrapper.flops.step()
+    expected = sum(wrapper.program.total(b=b, s=s) for b, s in shapes)
+    report = wrapper.flops.report(elapsed_s=2.0, peak_flops=1e9, tokens="s")
+    assert report.steps == 2 and report.calls == 4
+    assert report.hardware_flops == report.model_flops == expected
+    assert report.tflops_per_gpu == pytest.approx(expected / 2.0 / 1e12)
+    assert report.mfu == pytest.approx(expected / 2.0 / 1e9)
+    assert report.tokens == sum(s for _, s in shapes)  # the sum of the "s" symbol over the calls
+    metrics = report.metrics()
+    assert metrics["fxflops/model_flops_per_step"] == expected / 2
+    shares = [v for k, v in metrics.items() if k.startswith("fxflops/share/")]
+    assert sum(shares) == pytest.approx(1.0)  # depth-1 modules partition the model
+    assert wrapper.flops.total() == 0 and wrapper.flops.steps == 0  # the report starts over
+
+
+def test_unknown_device_gives_no_mfu_and_says_why():
+    meter = fxflops.Meter()
+    report = meter.report(elapsed_s=1.0, device="cpu")
+    assert report.mfu is None and report.hfu is None
+    assert "peak_flops" in report.peak_source
+    assert "no MFU" in str(report)
+
+
+def test_totals_stay_exact_far_past_int64():
+    """A step of ~10^21 FLOPs: Python-int accumulation, no overflow or rounding."""
+    program = fxflops.trace(TinyGPT(CFG), (torch.randint(0, 100, (2, 8)),), dims={"input_ids": {0: "b", 1: "s"}})
+    b, s = 10**8, 10**5
+    meter = fxflops.Meter()
+    for _ in range(3):
+        meter.add(program, program.monomials(*program.values_of(b=b, s=s)))
+    exact = 3 * program.total(b=b, s=s)
+    assert exact > 10**21 and meter.total() == exact
+    assert exact > 2**63
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _data_parallel_rank(rank: int, world: int, port: int, results) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    model = TinyGPT(CFG)
+    wrapper = fxflops.instrument(model, dims={"input_ids": {0: "b", 1: "s"}}, backward=True)
+    local = 0
+    for step in range(2):  # every rank sees different batch shapes
+        b, s = 1 + rank, 5 + 7 * rank + step
+        wrapper(torch.randint(0, 100, (b, s))).sum().backward()
+        local += wrapper.program.total(b=b, s=s)
+        wrapper.flops.step()
+    report = wrapper.flops.report(elapsed_s=1.0, peak_flops=1e12)
+    results[rank] = (local, report.model_flops, report.world_size, report.steps)
+    dist.destroy_process_group()
+
+
+def test_data_parallel_ranks_sum_exactly():
+    world = 3
+    results = mp.Manager().dict()
+    mp.spawn(_data_parallel_rank, args=(world, _free_port(), results), nprocs=world, join=True)
+    locals_ = [results[r][0] for r in range(world)]
+    for rank in range(world):
+        _, reduced, world_size, steps = results[rank]
+        assert reduced == sum(locals_) and world_size == world and steps == 2
+
+
+class Layer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(16, 48)
+        self.down = nn.Linear(48, 16)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(x)))
+
+
+def _pipeline_rank(rank: int, world: int, port: int, results) -> None:
+    """2 pipeline stages x 2 virtual chunks: rank r holds chunks r and r + 2 of an 8-layer model (two
+    layers each). Microbatches run through the chunks in an interleaved order; every chunk wrapper
+    adds to the rank's one Meter."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    layers = [Layer() for _ in range(8)]
+    chunks = {c: nn.Sequential(*layers[2 * c : 2 * c + 2]) for c in range(4)}
+    meter = fxflops.Meter()
+    mine = {c: fxflops.instrument(chunks[c], dims={"input": {0: "rows"}}, backward=True, meter=meter) for c in (rank, rank + 2)}
+    microbatches = [torch.randn(r, 16) for r in (3, 5, 4, 6)]
+    # interleaved order on this rank: chunk r for mb 0, 1, then chunk r+2 for mb 0, then chunk r for mb 2 ...
+    order = [(rank, 0), (rank, 1), (rank + 2, 0), (rank, 2), (rank + 2, 1), (rank, 3), (rank + 2, 2), (rank + 2, 3)]
+    for chunk, mb in order:
+        x = microbatches[mb].requires_grad_(True)
+        mine[chunk](x).sum().backward()
+    meter.step()
+    report = meter.report(elapsed_s=1.0, peak_flops=1e12)
+    results[rank] = report.model_flops
+    dist.destroy_process_group()
+
+
+def test_interleaved_virtual_pipeline_counts_every_layer_once():
+    world = 2
+    results = mp.Manager().dict()
+    mp.spawn(_pipeline_rank, args=(world, _free_port(), results), nprocs=world, join=True)
+    # reference: the whole 8-layer model on each microbatch, forward + backward, by hand from the math:
+    # per layer and row 2·(16·48 + 48·16) forward; backward 2x (input and weight gradients; inputs
+    # require grad so every layer needs its input gradient)
+    per_row = 8 * 3 * 2 * (16 * 48 + 48 * 16)
+    whole_model = per_row * (3 + 5 + 4 + 6)
+    assert results[0] == results[1] == whole_model
