@@ -64,12 +64,12 @@ class Meter:
             return phase
         return ("fwd",) if phase in (None, "fwd") else ()
 
-    def total(self, phase: str | None = None, convention: Convention | None = None) -> int:
+    def total(self, phase: str | None = None, convention: Convention | None = None, _hosted: list | None = None) -> int:
         """FLOPs of every counted call since the last reset (all phases unless ``phase``), under
         ``convention`` (default: each program's own)."""
         return sum(
             program.evaluate(acc, "", self._phase(phase, training), convention)
-            for program, acc, training, _ in self._on_host()
+            for program, acc, training, _ in (_hosted if _hosted is not None else self._on_host())
         )
 
     def model_flops(self, convention: Convention | None = None) -> int:
@@ -81,11 +81,15 @@ class Meter:
         return self.total(None, convention)
 
     def breakdown(
-        self, depth: int | None = None, phase: str | None = None, convention: Convention | None = None
+        self,
+        depth: int | None = None,
+        phase: str | None = None,
+        convention: Convention | None = None,
+        _hosted: list | None = None,
     ) -> dict[str, int]:
         """Inclusive FLOPs per module path accumulated since the last reset."""
         out: dict[str, int] = {}
-        for program, acc, training, prefix in self._on_host():
+        for program, acc, training, prefix in _hosted if _hosted is not None else self._on_host():
             phases = self._phase(phase, training)
             for path in program.modules(None if depth is None else depth - _depth(prefix)):
                 full = ".".join(p for p in (prefix, path) if p)
@@ -108,20 +112,26 @@ class Meter:
         """Close an optimizer step (after its microbatches): reports average over steps."""
         self.steps += 1
 
-    def symbol_total(self, name: str) -> int:
+    def symbol_total(self, name: str, _hosted: list | None = None) -> int:
         """Sum over the counted calls of one symbol's value (e.g. ``"tokens"``), 0 if no program has it."""
         total = 0
-        for program, acc, _, _ in self._on_host():
+        for program, acc, _, _ in _hosted if _hosted is not None else self._on_host():
             for column, monomial in enumerate(program.basis):
                 if str(monomial) == name:
                     total += acc[column]
         return total
 
-    def totals(self, depth: int | None = 1, convention: Convention | None = None) -> dict[str, Any]:
-        """Everything a report needs, as exact Python ints (the payload of :meth:`all_reduce`)."""
-        forward, backward = (self.breakdown(depth, phase, convention) for phase in ("fwd", "bwd"))
-        return {
-            "phases": {ph: self.total(ph, convention) for ph in ("fwd", "bwd", "recompute")},
+    def totals(
+        self, depth: int | None = 1, convention: Convention | None = None, counters: dict[str, str | None] | None = None
+    ) -> dict[str, Any]:
+        """Everything a report needs, as exact Python ints (the payload of :meth:`all_reduce`):
+        device accumulators are copied to the host once. ``counters`` maps a name (``tokens``) to the
+        symbol whose sum it is."""
+        hosted = self._on_host()
+        forward, backward = (self.breakdown(depth, phase, convention, hosted) for phase in ("fwd", "bwd"))
+        sums = {name: self.symbol_total(symbol, hosted) for name, symbol in (counters or {}).items() if symbol}
+        return sums | {
+            "phases": {ph: self.total(ph, convention, hosted) for ph in ("fwd", "bwd", "recompute")},
             "modules": {path: forward.get(path, 0) + backward.get(path, 0) for path in forward | backward},
             "calls": self.calls,
             "uncounted": self.uncounted,
@@ -179,10 +189,7 @@ class Meter:
 
         elapsed = time.perf_counter() - self._started if elapsed_s is None else elapsed_s
         named = convention or next((p.convention for p, *_ in self._sums.values()), FLOPCOUNTER)
-        totals = self.totals(depth, convention)
-        for counter, symbol in (("tokens", tokens), ("images", images)):
-            if symbol is not None:
-                totals[counter] = self.symbol_total(symbol)
+        totals = self.totals(depth, convention, {"tokens": tokens, "images": images})
         distributed = group is not None or (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
         world_size = dist.get_world_size(group) if distributed else 1
         if distributed:
