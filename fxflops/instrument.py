@@ -15,6 +15,9 @@ capture that fails is reported once as a warning and the call is marked uncounte
 
 from __future__ import annotations
 
+import contextlib
+import inspect
+import types
 import warnings
 from typing import Any
 
@@ -67,6 +70,9 @@ class Instrumented(torch.nn.Module):
         self.flops = meter if meter is not None else Meter()
         self.captures = 0
         self._warned: set[str] = set()
+        # forward keeps the model's signature: frameworks read it (the HF Trainer keeps only the
+        # dataset columns that are forward parameters, and finds label names there)
+        self.forward = types.MethodType(_with_signature(type(self).forward, model.forward), self)
         self._failed: dict[tuple, str] = {}
 
     @property
@@ -119,16 +125,20 @@ class Instrumented(torch.nn.Module):
         key = _shape_key(args, kwargs)
         if key in self._failed:
             raise CaptureError(self._failed[key])
+        # a program with a backward is captured with grad enabled even when this call is a no_grad
+        # forward (an evaluation before training): later training calls need its backward graph
+        grad = torch.enable_grad() if self.backward == "traced" else contextlib.nullcontext()
         try:
-            captured = capture(
-                self.model,
-                args,
-                kwargs,
-                self.dims,
-                allow_pins=bool(self.programs),
-                per_segment=self.per_segment,
-                backward=self.backward == "traced",
-            )
+            with grad:
+                captured = capture(
+                    self.model,
+                    args,
+                    kwargs,
+                    self.dims,
+                    allow_pins=bool(self.programs),
+                    per_segment=self.per_segment,
+                    backward=self.backward == "traced",
+                )
         except CaptureError as exc:
             self._failed[key] = str(exc)  # do not re-trace the same shapes on every call
             raise
@@ -141,6 +151,19 @@ class Instrumented(torch.nn.Module):
         if message not in self._warned:
             self._warned.add(message)
             warnings.warn(f"fxflops: call not counted: {message}", stacklevel=3)
+
+
+def _with_signature(method: Any, model_forward: Any) -> Any:
+    """A copy of ``method`` (``self, *args, **kwargs``) whose signature is ``self`` + the model's."""
+
+    def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return method(self, *args, **kwargs)
+
+    signature = inspect.signature(model_forward)
+    self_parameter = inspect.Parameter("self", inspect.Parameter.POSITIONAL_ONLY)
+    forward.__signature__ = signature.replace(parameters=[self_parameter, *signature.parameters.values()])
+    forward.__doc__ = getattr(model_forward, "__doc__", None)
+    return forward
 
 
 def _requires_grad(out: Any) -> bool:
