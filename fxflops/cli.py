@@ -1,15 +1,39 @@
-"""Command line: ``python -m fxflops demo`` (also the ``fxflops`` console script)."""
+"""Command line (``python -m fxflops`` or the ``fxflops`` console script).
+
+* ``fxflops demo``: the README's main command (the example VLM).
+* ``fxflops report PACKAGE.MODULE:FACTORY [--dim seq=2048 ...] [--backward] [--convention megatron]
+  [--depth 2] [--json out.json] [--plot out.png]``: trace the model the factory returns and print a
+  per-module table (fwd, bwd, recompute, share, formula) at the example's sizes, or at the ``--dim``
+  values.
+* ``fxflops check PACKAGE.MODULE:FACTORY --formula NAME|MODULE:CALLABLE``: ``fxflops.verify`` a hand
+  formula against the traced program and print the verdict.
+
+A factory is a callable returning a dict: ``model``, ``args`` (example positional inputs), and
+optionally ``kwargs``, ``dims``, ``segments``, ``per_segment`` (as for ``fxflops.trace``) and
+``formulas`` (name -> a function of the program's symbol names). ``fxflops.models.tiny_vlm:example``
+and ``fxflops.models.tiny_gpt:example`` are built in.
+
+Exit codes: 0 success (``check``: the formula equals the program), 1 ``check`` found a difference,
+2 bad usage (unknown factory, ``--dim`` name or formula: the message lists the valid ones),
+3 the model could not be traced.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
+import json
 import random
 import sys
 import time
 
 import torch
+from rich.console import Console
+from rich.table import Table
 
 import fxflops
+from fxflops.conventions import PRESETS, Convention
+from fxflops.program import PHASES
 from fxflops.models.tiny_vlm import TinyVLM, VLMConfig, forward_flops_formula, random_batch
 from fxflops.report import human
 
@@ -85,16 +109,166 @@ def demo(args: argparse.Namespace) -> int:
     return 0 if verdict.equal else 1
 
 
+class UsageError(Exception):
+    """A command-line mistake: exit code 2 with this message."""
+
+
+def load_factory(spec: str) -> dict:
+    """``package.module:factory`` -> the dict the factory returns (see the module docstring)."""
+    module_name, _, name = spec.partition(":")
+    if not module_name or not name:
+        raise UsageError(f"expected PACKAGE.MODULE:FACTORY, got {spec!r}")
+    try:
+        factory = getattr(importlib.import_module(module_name), name)
+    except (ImportError, AttributeError) as exc:
+        raise UsageError(f"cannot load factory {spec!r}: {exc}") from exc
+    example = factory()
+    if not isinstance(example, dict) or "model" not in example or "args" not in example:
+        raise UsageError(f"factory {spec!r} must return a dict with at least 'model' and 'args'")
+    return example
+
+
+def trace_example(example: dict, backward: bool) -> fxflops.Program:
+    """Trace the factory's model with a progress indicator on stderr."""
+    console = Console(stderr=True)
+    with console.status(f"tracing {type(example['model']).__name__} ..."):
+        return fxflops.trace(
+            example["model"],
+            tuple(example["args"]),
+            example.get("kwargs"),
+            dims=example.get("dims"),
+            segments=example.get("segments"),
+            per_segment=example.get("per_segment"),
+            backward=backward,
+        )
+
+
+def symbol_values(program: fxflops.Program, example: dict, dims: list[str]) -> dict[str, int]:
+    """The example inputs' symbol values, overridden by ``--dim name=value``."""
+    args, kwargs = tuple(example["args"]), example.get("kwargs") or {}
+    values = dict(zip(map(str, program.all_symbols), program.binder.values(args, kwargs)))
+    values = {name: int(v) for name, v in values.items()}
+    valid = [str(s) for s in program.symbols]
+    for item in dims:
+        name, _, value = item.partition("=")
+        if name not in values or not value.lstrip("-").isdigit():
+            raise UsageError(f"bad --dim {item!r}: use NAME=INT with NAME one of {valid}")
+        values[name] = int(value)
+    return values
+
+
+def convention_named(name: str) -> Convention:
+    if name not in PRESETS:
+        raise UsageError(f"unknown convention {name!r}; choose one of {sorted(PRESETS)}")
+    return PRESETS[name]
+
+
+def report_rows(program: fxflops.Program, values: dict[str, int], depth: int, convention: Convention) -> list[dict]:
+    """One row per module: FLOPs per phase, share, formula (the JSON ``modules`` schema)."""
+    phases = {ph: program.breakdown(depth, ph, convention, **values) for ph in PHASES}
+    total = sum(phases[ph][""] for ph in PHASES) or 1
+    rows = []
+    for path in program.modules(depth):
+        flops = {ph: phases[ph][path] for ph in PHASES}
+        if any(flops.values()):
+            rows.append(
+                {"module": path or "<model>", **flops, "share": sum(flops.values()) / total,
+                 "formula": str(program.formula(path, convention=convention))}
+            )
+    return rows
+
+
+def report(args: argparse.Namespace) -> int:
+    example = load_factory(args.factory)
+    convention = convention_named(args.convention)
+    program = trace_example(example, args.backward)
+    values = symbol_values(program, example, args.dim)
+    rows = report_rows(program, values, args.depth, convention)
+    table = Table(title=f"FLOPs at {', '.join(f'{k}={v}' for k, v in values.items() if k in map(str, program.symbols))}",
+                  caption=convention.describe())
+    for column in ("module", "fwd", "bwd", "recompute", "share", "formula"):
+        table.add_column(column, justify="left" if column in ("module", "formula") else "right")
+    for row in rows:
+        depth = 0 if row["module"] == "<model>" else row["module"].count(".") + 1
+        table.add_row("  " * depth + row["module"].rsplit(".", 1)[-1], *(f"{row[ph]:,}" for ph in PHASES), f"{100 * row['share']:.1f}%", row["formula"])
+    Console(width=None if sys.stdout.isatty() else 160).print(table)
+    for note in program.notes:
+        print(f"note: {note}")
+    if args.json:
+        document = {
+            "convention": convention.describe(),
+            "symbols": program.describe_symbols(),
+            "values": values,
+            "total": program.total(convention=convention, **values),
+            "modules": rows,
+            "guards": [str(g) for g in program.guards],
+            "unsupported": [str(u) for u in program.unsupported],
+        }
+        with open(args.json, "w") as f:
+            json.dump(document, f, indent=2)
+    if args.plot:
+        from fxflops.plot import plot_breakdown
+
+        plot_breakdown(program, values, depth=args.depth, convention=convention, path=args.plot)
+    return 0
+
+
+def check(args: argparse.Namespace) -> int:
+    example = load_factory(args.factory)
+    convention = convention_named(args.convention)
+    formulas = example.get("formulas") or {}
+    if args.formula in formulas:
+        formula = formulas[args.formula]
+    elif ":" in args.formula:
+        module_name, _, name = args.formula.partition(":")
+        try:
+            formula = getattr(importlib.import_module(module_name), name)
+        except (ImportError, AttributeError) as exc:
+            raise UsageError(f"cannot load formula {args.formula!r}: {exc}") from exc
+    else:
+        raise UsageError(f"unknown formula {args.formula!r}; the factory offers {sorted(formulas)} (or give MODULE:CALLABLE)")
+    program = trace_example(example, args.backward)
+    try:
+        verdict = fxflops.verify(program, formula, convention=convention)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
+    print(verdict)
+    return 0 if verdict.equal else 1
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="fxflops", description=__doc__)
+    parser = argparse.ArgumentParser(prog="fxflops", description="Exact FLOPs of PyTorch models from their traced graph.")
     commands = parser.add_subparsers(dest="command", required=True)
     p = commands.add_parser("demo", help="trace the example VLM and print its FLOPs")
     p.add_argument("--layers", type=int, default=2, help="vision blocks and text layers")
     p.add_argument("--depth", type=int, default=2, help="module depth of the table")
     p.add_argument("--microbatches", type=int, default=4)
     p.set_defaults(run=demo)
+    for name, run, help_text in (
+        ("report", report, "per-module FLOPs table of a model"),
+        ("check", check, "verify a hand formula against the traced model"),
+    ):
+        p = commands.add_parser(name, help=help_text)
+        p.add_argument("factory", help="PACKAGE.MODULE:FACTORY returning {'model', 'args', ...}")
+        p.add_argument("--backward", action="store_true", help="capture the backward too (training FLOPs)")
+        p.add_argument("--convention", default="flopcounter", help=f"one of {sorted(PRESETS)}")
+        p.set_defaults(run=run)
+        if name == "report":
+            p.add_argument("--dim", action="append", default=[], metavar="NAME=INT", help="a symbol's value")
+            p.add_argument("--depth", type=int, default=2)
+            p.add_argument("--json", metavar="PATH", help="write the report as JSON")
+            p.add_argument("--plot", metavar="PATH", help="write the per-module breakdown as a PNG")
+        else:
+            p.add_argument("--formula", required=True, help="a formula the factory offers, or MODULE:CALLABLE")
     args = parser.parse_args(argv)
-    return args.run(args)
+    try:
+        return args.run(args)
+    except UsageError as exc:
+        print(f"fxflops: {exc}", file=sys.stderr)
+        return 2
+    except fxflops.CaptureError as exc:
+        print(f"fxflops: could not trace the model: {exc}", file=sys.stderr)
+        return 3
 
 
 if __name__ == "__main__":

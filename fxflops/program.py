@@ -558,6 +558,13 @@ class Program:
             indent=2,
         )
 
+    def plot(self, kind: str = "breakdown", **options: Any) -> Any:
+        """A matplotlib figure: ``"breakdown"`` (per-module bars by depth) or ``"scaling"`` (FLOPs
+        against one size); the same implementation the CLI's ``--plot`` uses (``fxflops/plot.py``)."""
+        from fxflops.plot import plot
+
+        return plot(self, kind, **options)
+
     def table(self, depth: int | None = None, convention: Convention | None = None, **values: int) -> str:
         """A readable per-module table; with symbol values also the FLOPs and each module's share."""
         from fxflops.report import program_table

@@ -96,3 +96,26 @@ def forward_flops_formula(cfg: GPTConfig, batch: int, seq: int) -> int:
     per_layer = cfg.hidden * hd * (2 * cfg.heads + 2 * cfg.kv_heads) + 3 * cfg.hidden * cfg.ffn
     n_matmul = cfg.layers * per_layer + cfg.hidden * cfg.vocab
     return 2 * n_matmul * batch * seq + 4 * cfg.layers * batch * cfg.heads * seq * seq * hd
+
+
+def example(layers: int = 2) -> dict:
+    """TinyGPT for ``fxflops report/check``: model, example inputs, dims and the Megatron formula
+    (training FLOPs, to check with ``--backward --convention megatron``)."""
+    from fxflops.formulas import gpt_training_flops
+
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab=1024, layers=layers)
+
+    def megatron(batch, seq):
+        return gpt_training_flops(
+            tokens=batch * seq, sum_seq_squared=batch * seq**2, layers=cfg.layers, hidden=cfg.hidden,
+            ffn_hidden=cfg.ffn, heads=cfg.heads, query_groups=cfg.kv_heads, kv_channels=cfg.head_dim,
+            vocab=cfg.vocab, glu=True,
+        )
+
+    return {
+        "model": TinyGPT(cfg),
+        "args": (torch.randint(0, cfg.vocab, (2, 64)),),
+        "dims": {"input_ids": {0: "batch", 1: "seq"}},
+        "formulas": {"megatron": megatron, "hand": lambda batch, seq: forward_flops_formula(cfg, batch, seq)},
+    }

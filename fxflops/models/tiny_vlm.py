@@ -314,3 +314,21 @@ def forward_flops_formula(cfg: VLMConfig, tokens, patches, text_p2, frames_p2):
         + text_per_token * tokens
         + 4 * c.hidden * c.layers * text_p2
     )
+
+
+def example(layers: int = 2) -> dict:
+    """The example VLM for ``fxflops report/check``: model, example inputs, dims, segments, formulas."""
+    torch.manual_seed(0)
+    cfg = VLMConfig(vision_layers=layers, layers=layers)
+    return {
+        "model": TinyVLM(cfg),
+        "args": random_batch(cfg, random.Random(0)).inputs(),
+        "dims": {"input_ids": {1: "tokens"}, "pixel_values": {0: "patches"}},
+        "segments": {"cu_seqlens": "text", "image_grid_thw": "frames"},
+        "formulas": {
+            "hand": lambda tokens, patches, text_p2, frames_p2: forward_flops_formula(cfg, tokens, patches, text_p2, frames_p2),
+            "pack-length-squared": lambda tokens, patches, text_p2, frames_p2: forward_flops_formula(
+                cfg, tokens, patches, tokens**2, frames_p2
+            ),
+        },
+    }
