@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import time
 import types
 import warnings
 from typing import Any
@@ -128,6 +129,7 @@ class Instrumented(torch.nn.Module):
         # a program with a backward is captured with grad enabled even when this call is a no_grad
         # forward (an evaluation before training): later training calls need its backward graph
         grad = torch.enable_grad() if self.backward == "traced" else contextlib.nullcontext()
+        started = time.perf_counter()
         try:
             with grad:
                 captured = capture(
@@ -143,6 +145,7 @@ class Instrumented(torch.nn.Module):
             self._failed[key] = str(exc)  # do not re-trace the same shapes on every call
             raise
         program = Program.from_capture(captured, self.model, self.segments, self.strict_metadata, self.backward)
+        self.flops.exclude_time(time.perf_counter() - started)  # capture time is not training time
         self.captures += 1
         self.programs.append(program)
         self.flops.add(program, program.monomials(*program.binder.values(args, kwargs)), training)

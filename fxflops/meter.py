@@ -16,7 +16,7 @@ collective, then starts over.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -107,6 +107,10 @@ class Meter:
         self.uncounted = 0
         self.steps = 0
         self._started = time.perf_counter()
+
+    def exclude_time(self, seconds: float) -> None:
+        """Leave ``seconds`` (a capture) out of the next report's elapsed time."""
+        self._started += seconds
 
     def step(self) -> None:
         """Close an optimizer step (after its microbatches): reports average over steps."""
@@ -211,6 +215,7 @@ class Meter:
             peak_source=source,
             calls=totals["calls"],
             uncounted=totals["uncounted"],
+            unsupported=sorted({u.op for p, *_ in self._sums.values() for u in p.unsupported}),
         )
         if reset:
             self.reset()
@@ -243,6 +248,7 @@ class Report:
     peak_source: str = ""
     calls: int = 0
     uncounted: int = 0
+    unsupported: list[str] = field(default_factory=list)  # ops with no rule: FLOPs are a lower bound
 
     @property
     def model_flops(self) -> int:
@@ -306,7 +312,7 @@ class Report:
     def __str__(self) -> str:
         mfu = f"MFU {100 * self.mfu:.1f}% HFU {100 * self.hfu:.1f}%" if self.mfu is not None else f"no MFU ({self.peak_source})"
         lines = [
-            f"{self.steps} step(s) in {self.elapsed_s:.3f} s on {self.world_size} GPU(s): "
+            f"{self.steps} step(s) in {self.elapsed_s:.3f} s on {self.world_size} device(s): "
             f"{self.tflops_per_gpu:.4g} TFLOP/s per GPU, {mfu}",
             f"  per step: fwd {self.flops.get('fwd', 0) / self.steps:,.0f}  bwd {self.flops.get('bwd', 0) / self.steps:,.0f}  "
             f"recompute {self.flops.get('recompute', 0) / self.steps:,.0f} FLOPs ({self.convention.name})",
@@ -319,6 +325,8 @@ class Report:
                 lines.append(f"  {path:<24} {100 * flops / total:5.1f}%  {self._per_gpu_per_s(flops) / 1e12:.4g} TFLOP/s")
         if self.uncounted:
             lines.append(f"  {self.uncounted} call(s) not counted (see the warnings)")
+        if self.unsupported:
+            lines.append(f"  lower bound: ops without a FLOPs rule ran: {', '.join(self.unsupported)}")
         return "\n".join(lines)
 
 

@@ -52,7 +52,7 @@ def program_table(program: Program, depth: int | None, values: dict[str, Any], c
         title = "FLOPs formulas in " + ", ".join(str(s) for s in program.symbols)
     notes = "".join(f"\nnote: {n}" for n in program.notes)
     unsupported = "".join(f"\nNOT COUNTED (no rule): {u}" for u in program.unsupported)
-    captured = "forward only captured" if program.backward == "none" else "forward + backward captured"
+    captured = "captured: forward only (no backward terms)" if program.backward == "none" else "captured: forward + backward"
     return f"{title}\nconvention {convention.describe()}; {captured}\n" + render(header, rows) + notes + unsupported
 
 

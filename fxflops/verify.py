@@ -190,31 +190,45 @@ def attribute(difference: sympy.Expr, modules: list[tuple[str, sympy.Expr]]) -> 
 
 
 def _sample(program: Any, domain: dict[str, tuple[int, int]] | None, n: int, seed: int) -> list[dict[str, int]]:
-    """``n`` points of symbol values within the program's guards (power sums from random segments)."""
+    """``n`` points of symbol values within the program's guards. Power sums come from random segment
+    lengths; a family whose segments must cover (or fit in) a sampled size is cut from that size."""
     rng = random.Random(seed)
     domain = domain or {}
-    families = {f.name for f in program.families}
+    families = sorted(program.families, key=lambda f: f.name)
+    power = re.compile(r"^(?P<family>.+)_p(?P<k>\d+)$")
+    sums = {str(s): power.match(str(s)) for s in program.symbols}
+    family_names = {f.name for f in families}
     points: list[dict[str, int]] = []
     for _ in range(50 * n):
         if len(points) == n:
             break
         point = {}
-        for sym in program.symbols:
-            name = str(sym)
-            family = next((f for f in families if name.startswith(f + "_p") and name[len(f) + 2 :].isdigit()), None)
-            if family is None:
-                lo, hi = domain.get(name, (1, 4096))
-                point[name] = rng.randint(lo, hi)
+        for name, match in sums.items():
+            if match is None or match["family"] not in family_names:
+                point[name] = rng.randint(*domain.get(name, (1, 4096)))
         for family in families:
-            lengths = [rng.randint(*domain.get(f"{family}_length", (1, 512))) for _ in range(rng.randint(*domain.get(f"{family}_count", (1, 16))))]
-            for sym in program.symbols:
-                name = str(sym)
-                if name.startswith(family + "_p") and name[len(family) + 2 :].isdigit():
-                    point[name] = sum(s ** int(name[len(family) + 2 :]) for s in lengths)
+            lengths = _segments(rng, family, point, domain)
+            for name, match in sums.items():
+                if match is not None and match["family"] == family.name:
+                    point[name] = sum(length ** int(match["k"]) for length in lengths)
         ordered = tuple(point.get(str(s), 0) for s in program.all_symbols)
         if program.within_guards(*ordered):
             points.append(point)
     return points
+
+
+def _segments(rng: random.Random, family: Any, point: dict[str, int], domain: dict) -> list[int]:
+    """Random segment lengths for ``family``: summing to the size it must cover, at most the size it
+    cuts, or free (``<family>_count`` segments of ``<family>_length``)."""
+    count = rng.randint(*domain.get(f"{family.name}_count", (1, 16)))
+    for sizes, exact in ((family.covered, True), (family.packed, False)):
+        for size in sorted(sizes, key=str):
+            if isinstance(size, sympy.Symbol) and str(size) in point:
+                total = point[str(size)] if exact else rng.randint(1, point[str(size)])
+                cuts = sorted(rng.sample(range(1, total), min(count, total) - 1)) if total > 1 else []
+                bounds = [0, *cuts, total]
+                return [b - a for a, b in zip(bounds, bounds[1:])]
+    return [rng.randint(*domain.get(f"{family.name}_length", (1, 512))) for _ in range(count)]
 
 
 def verify(

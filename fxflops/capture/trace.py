@@ -236,6 +236,11 @@ def capture(
     ``per_segment`` lifts modules whose work is per segment (see ``capture/lifting.py``).
     ``backward`` captures the joint forward+backward graph (see ``capture/phases.py``).
     """
+    if per_segment and backward:
+        raise CaptureError(
+            "per_segment lifting does not support backward=True yet: a lifted module's stand-in has no "
+            "autograd formula; trace the forward, or use a varlen attention op instead of the Python loop"
+        )
     kwargs = kwargs or {}
     named = bind_call(model.forward, args, kwargs)
     tensors = tensor_leaves(named)

@@ -7,7 +7,8 @@ These are documented conventions, not instruction counts (a transcendental costs
 * softmax and log-softmax: 5 per element (max, subtract, exp, sum, divide or log); their backward 4
   per element (multiply, sum, subtract, multiply);
 * layer/group/batch norm: 5 per element to normalise (mean, subtract, square, mean, scale), plus 1 per
-  element for the weight and 1 for the bias when present; their backward twice the forward;
+  element for the weight and 1 for the bias when present; RMSNorm 3 per element (+1 weight); their
+  backward twice the forward;
 * embedding gathers (kind ``"embedding"``, counted only with ``embeddings=True``): 1 per gathered
   element; the embedding backward 1 per gradient element (a scatter-add).
 
@@ -48,7 +49,7 @@ def elementwise_flops(op: Any, node: torch.fx.Node, named: Any) -> sympy.Expr | 
     return None
 
 
-@register(aten._softmax, aten._log_softmax, kind="elementwise")
+@register(aten._softmax, aten._log_softmax, aten._safe_softmax, kind="elementwise")
 def softmax(self, *args, out_shape=None, **kwargs):
     """softmax / log_softmax: 5 per element (max, subtract, exp, sum, divide or log)."""
     return 5 * numel(self)
@@ -63,6 +64,18 @@ def softmax_backward(grad_output, *args, out_shape=None, **kwargs):
 def _norm_flops(input, weight, bias):
     """5 per element to normalise, +1 for an affine weight, +1 for a bias."""
     return numel(input) * (5 + (weight is not None) + (bias is not None))
+
+
+@register(aten._fused_rms_norm, kind="elementwise")
+def rms_norm(input, normalized_shape, weight=None, *args, out_shape=None, **kwargs):
+    """fused RMSNorm: 3 per element (square, mean, scale by the reciprocal root), +1 for the weight."""
+    return numel(input) * (3 + (weight is not None))
+
+
+@register(aten._fused_rms_norm_backward, kind="elementwise")
+def rms_norm_backward(grad_out, input, normalized_shape, rstd, weight=None, *args, out_shape=None, **kwargs):
+    """fused RMSNorm backward: twice the forward."""
+    return 2 * numel(input) * (3 + (weight is not None))
 
 
 @register(aten.native_layer_norm, kind="elementwise")

@@ -25,7 +25,7 @@ _NOT_COUNTED_NAMES = frozenset(
     "_batch_norm_with_update _batch_norm_no_update _fused_rms_norm "
     "native_layer_norm_backward native_group_norm_backward native_batch_norm_backward "
     "batch_norm_backward _fused_rms_norm_backward "
-    "_softmax _log_softmax _softmax_backward_data _log_softmax_backward_data "
+    "_softmax _log_softmax _safe_softmax _softmax_backward_data _log_softmax_backward_data "
     # pooling and resampling
     "max_pool2d_with_indices max_pool3d_with_indices avg_pool2d avg_pool3d _adaptive_avg_pool2d "
     "_adaptive_avg_pool3d adaptive_max_pool2d max_pool2d_with_indices_backward avg_pool2d_backward "
@@ -38,7 +38,7 @@ _NOT_COUNTED_NAMES = frozenset(
     "cat stack split_with_sizes _to_copy copy copy_ clone contiguous repeat repeat_interleave roll flip "
     "constant_pad_nd reflection_pad1d reflection_pad2d replication_pad2d tril triu "
     "empty empty_like empty_strided new_empty new_empty_strided zeros zeros_like ones ones_like "
-    "full full_like new_full new_zeros new_ones arange linspace scalar_tensor lift_fresh_copy "
+    "full full_like new_full new_zeros new_ones arange linspace scalar_tensor lift_fresh_copy eye "
     "fill fill_ zero_ masked_fill masked_fill_ index_fill "
     # indexing, gather/scatter, embedding
     "embedding embedding_dense_backward index index_put index_put_ _unsafe_index _unsafe_index_put "

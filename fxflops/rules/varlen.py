@@ -49,10 +49,15 @@ def varlen_backward_flops(query, key, value, cu_q: SegmentLengths, cu_k: Segment
     return 2 * query[-2] * (3 * query[-1] + 2 * value[-1]) * pair_sum(cu_q, cu_k)
 
 
-def _api(flops_of, q_at: int, offsets_at: int):
-    """A rule for a varlen API with q, k, v at ``q_at`` and the two offsets at ``offsets_at``."""
+def _api(flops_of, q_at: int, offsets_at: int, block_table_at: int | None):
+    """A rule for a varlen API with q, k, v at ``q_at`` and the two offsets at ``offsets_at``; a paged
+    KV cache (``block_table``, at ``block_table_at`` or by keyword) is refused: its work depends on a
+    page table held in data."""
 
     def rule(*args, out_shape=None, **kwargs):
+        positional = args[block_table_at] if block_table_at is not None and block_table_at < len(args) else None
+        if kwargs.get("block_table") is not None or positional is not None:
+            raise ValueError("paged varlen attention (block_table) costs what its page table says; fxflops does not count it")
         q, k, v = args[q_at : q_at + 3]
         return flops_of(q, k, v, args[offsets_at], args[offsets_at + 1])
 
@@ -60,17 +65,20 @@ def _api(flops_of, q_at: int, offsets_at: int):
     return rule
 
 
-def _register(name: str, backward: bool, q_at: int, offsets_at: int) -> None:
-    """Register ``name`` (``"namespace::op"``) with its full and exact-causal rules."""
+def _register(name: str, backward: bool, q_at: int, offsets_at: int, block_table_at: int | None = None) -> None:
+    """Register ``name`` (``"namespace::op"``) with its full and exact-causal rules. Sliding windows
+    (``window_size``) are counted dense per segment, like causal masks under ``causal="full"``."""
     full, causal = (varlen_backward_flops, varlen_backward_causal) if backward else (varlen_forward_flops, varlen_forward_causal)
-    register(name, segments=(offsets_at, offsets_at + 1), causal=_api(causal, q_at, offsets_at))(_api(full, q_at, offsets_at))
+    register(name, segments=(offsets_at, offsets_at + 1), causal=_api(causal, q_at, offsets_at, block_table_at))(
+        _api(full, q_at, offsets_at, block_table_at)
+    )
 
 
 # op name, backward?, position of q (k, v follow), position of cu_seqlens_q (cu_seqlens_k follows)
 _register("fxflops::varlen_attention", False, 0, 3)  # fxflops.ops.varlen_attention
 _register("fxflops::varlen_attention_backward", True, 1, 4)
-_register("torch_attn::_varlen_attn", False, 0, 3)  # torch.nn.attention.varlen.varlen_attn
-_register("torch_attn::_varlen_attn_out", False, 1, 4)  # varlen_attn_out writes into its first argument
+_register("torch_attn::_varlen_attn", False, 0, 3, 12)  # torch.nn.attention.varlen.varlen_attn
+_register("torch_attn::_varlen_attn_out", False, 1, 4, 13)  # varlen_attn_out writes into its first argument
 _register("torch_attn::_varlen_attn_backward", True, 1, 6)
 # flash-attn >= 2.6 registers flash_attn_varlen_func's ops with torch.library (flash_attn_interface.py:
 # q (total_q, nheads, headdim), k/v (total_k, nheads_k, headdim), cu_seqlens int32 (batch + 1))
