@@ -113,11 +113,3 @@ def resolve_dims(
 def is_metadata(tensor: torch.Tensor) -> bool:
     """Integer tensors of rank 1 or 2: offsets, grids, lengths (the inputs segment families come from)."""
     return tensor.dim() in (1, 2) and not (tensor.dtype.is_floating_point or tensor.dtype.is_complex or tensor.dtype == torch.bool)
-
-
-def fetch(named: dict[str, Any], path: Path) -> Any:
-    """The value at ``path`` in a bound call (the inverse of :func:`tensor_leaves`)."""
-    value: Any = named
-    for step in path:
-        value = value[step]
-    return value
