@@ -99,3 +99,36 @@ def test_unmatched_pattern_is_an_error(model):
 def test_capture_leaves_no_stand_in_behind(model):
     fxflops.trace(model, random_batch(CFG, random.Random(9)).inputs(), dims=DIMS, per_segment=PER_SEGMENT)
     assert all("forward" not in vars(m) for m in model.modules())
+
+
+def test_lifting_maps_sizes_and_tables_read_from_the_offsets():
+    """Like Hugging Face's vision attention: a per-row table whose size the outer trace could only read
+    from the offsets' data, and a ``max_seqlen`` read from them, both passed to the looping module.
+    In the one-segment trace they become the segment's length s. Reference: per-segment matmul
+    FLOPs summed by hand."""
+
+    class Looping(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(8, 8, bias=False)
+
+        def forward(self, x, cu_seqlens, table, max_seqlen):
+            chunks = torch.split(x * table, (cu_seqlens[1:] - cu_seqlens[:-1]).tolist())
+            return torch.cat([self.fc(c) for c in chunks])
+
+    class Outer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = Looping()
+
+        def forward(self, x, cu_seqlens):
+            rows = cu_seqlens[-1].item()  # a size from data, as HF's per-image rotary tables
+            table = torch.ones(rows, x.shape[1])
+            max_seqlen = (cu_seqlens[1:] - cu_seqlens[:-1]).max().item()
+            return self.inner(x, cu_seqlens, table, max_seqlen)
+
+    x, cu = torch.randn(10, 8), torch.tensor([0, 4, 10])
+    program = fxflops.trace(Outer(), (x, cu), dims={"x": {0: "rows"}}, per_segment={"inner": "cu_seqlens"})
+    for lengths in ([10], [3, 3, 4], [1, 9]):
+        offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+        assert program.count(torch.randn(sum(lengths), 8), offsets) == sum(2 * s * 8 * 8 for s in lengths)

@@ -112,8 +112,15 @@ class _OffsetsValues:
         return None
 
 
-def _hint(size: Any) -> int:
-    return int(size.node.hint) if isinstance(size, torch.SymInt) else int(size)
+def _hint(size: Any, fallback: int = 2) -> int:
+    """A size's example value; ``fallback`` for a data-dependent size, which has none."""
+    if not isinstance(size, torch.SymInt):
+        return int(size)
+    return int(size.node.hint) if size.node.hint is not None else fallback
+
+
+def _unbacked(size: Any) -> bool:
+    return isinstance(size, torch.SymInt) and size.node.hint is None
 
 
 def _same_size(a: Any, b: Any) -> bool:
@@ -143,12 +150,16 @@ def trace_segment(module: torch.nn.Module, path: str, bound: inspect.BoundArgume
         raise CaptureError(f"per-segment module {path!r}: argument {offsets_name!r} is not a tensor of offsets")
 
     def one_segment(value: Any) -> Any:
+        if isinstance(value, torch.SymInt):  # a size read from the offsets (e.g. max_seqlen): one segment's is s
+            return s
         if not isinstance(value, torch.Tensor):
             return value
         if value is offsets:
             return torch.empty(2, dtype=value.dtype, device=value.device)
-        sizes = [_hint(d) for d in value.shape]
-        if value.dim() and _same_size(value.shape[0], rows):
+        sizes = [_hint(d, hint) for d in value.shape]
+        # packed along dim 0: the same size as the packed input, or a size the outer trace could only
+        # get from data (rotary tables built per image) whose example value equals it
+        if value.dim() and (_same_size(value.shape[0], rows) or (_unbacked(value.shape[0]) and sizes[0] == hint)):
             sizes[0] = s
         return torch.empty(sizes, dtype=value.dtype, device=value.device)
 
