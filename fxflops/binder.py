@@ -125,6 +125,12 @@ class Binder:
                 uncovered = "".join(f" or sum(map(_mul, _v, _w)) != {c}" for c in covered)
                 lines.append(f"        if min(_v, default=0) < 0 or min(_w, default=0) < 0 or sum(map(_mul, _v, _w)) > {limit}{uncovered}:")
                 lines.append(f"            _check_lengths({label!r}, list(zip(_v, _w)), {bounds}, {exact})")
+            if family.conditions:  # bounds a lifted module's one-segment trace relied on
+                ok = " and ".join(f"({python_source(c, {ELEMENT: '_a'})})" for c in sorted(family.conditions, key=str))
+                weights_of = "_w" if weights is not None else "[1] * len(_v)"
+                lines.append(f"        _bad = [_a for _a, _c in zip(_v, {weights_of}) if _c and not ({ok})]")
+                conditions = ", ".join(str(c.xreplace({ELEMENT: sympy.Symbol("s")})) for c in sorted(family.conditions, key=str))
+                lines.append(f"        if _bad: _fail_segments({label!r}, _bad, {conditions!r})")
             for sym, k in wanted:
                 power = "*".join(["_a"] * k) if k else "1"
                 if weights is None:
@@ -193,6 +199,7 @@ class Binder:
             "_check_offsets": _check_offsets,
             "_check_lengths": _check_lengths,
             "_check_device": _check_device,
+            "_fail_segments": _fail_segments,
             "_binder": self,
             "_mul": operator.mul,
         }
@@ -276,6 +283,13 @@ def _check_device(
     for total in exact:
         if bool(covered != total):
             raise MetadataError(f"metadata {label!r} must cover all {total} rows a per-segment module processes")
+
+
+def _fail_segments(label: str, bad: list[int], conditions: str) -> None:
+    raise MetadataError(
+        f"segments of length {sorted(set(bad))[:5]} from {label!r}: a per-segment module was traced "
+        f"assuming {conditions} for every segment"
+    )
 
 
 def _fail_dims(label: str, shape: Any, wanted: tuple[tuple[int, int, str], ...]) -> None:

@@ -29,7 +29,7 @@ from fxflops.binder import Binder, python_source
 from fxflops.capture.inputs import path_label
 from fxflops.capture.lifting import SEGMENT, Lifted
 from fxflops.capture.phases import phase_of
-from fxflops.capture.segments import Family, SegmentAnalysis
+from fxflops.capture.segments import ELEMENT, Family, SegmentAnalysis
 from fxflops.capture.trace import Captured, Guard
 from fxflops.conventions import FLOPCOUNTER, Convention
 from fxflops.errors import CaptureError, GuardError, UnboundSymbolError
@@ -167,7 +167,11 @@ def _graph_terms(
             floating = touches_floats(inputs, node.meta.get("val"))
             elementwise = elementwise_flops(op, node, named) if floating else None
             if elementwise is not None:
-                if elementwise != 0:
+                if elementwise.free_symbols - known - segments.symbols():  # sizes only data gives
+                    notes.append(
+                        f"{path or '<root>'}: elementwise {op} works on data-dependent sizes; not counted even under count='all'"
+                    )
+                elif elementwise != 0:
                     terms.append(Term(node.name, str(op), path, phase, elementwise, kind="elementwise"))
             elif (
                 isinstance(op, torch._ops.OpOverload | torch._ops.HigherOrderOperator)
@@ -250,6 +254,8 @@ def _lifted_terms(
     except ValueError as exc:
         raise CaptureError(str(exc)) from exc
     lengths.covers(named(marker.args[0].meta["val"].shape[0]))
+    for condition in lifted.conditions:
+        lengths.requires(condition.xreplace({SEGMENT: ELEMENT}))
     inner, unsupported, _ = _graph_terms(
         lifted.graph_module.graph, lifted.in_s, {SEGMENT}, SegmentAnalysis.empty(), {}, path
     )

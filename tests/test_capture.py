@@ -314,3 +314,22 @@ def test_custom_op_is_unsupported_until_a_rule_is_registered():
         assert after.total(rows=30) == 2 * 30 * 12 * 20
     finally:
         fxflops.rules.unregister(torch.ops.fxflops_test.scaled_matmul)
+
+
+def test_elementwise_work_on_data_dependent_sizes_is_noted_not_counted():
+    """A pointwise op on a size only data gives (``.item()``) has no closed form: under count="all"
+    it is left out with a note, and the matmul count is unaffected."""
+
+    class DataSized(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4, bias=False)
+
+        def forward(self, x, n):
+            return self.fc(x), torch.ones(n.max().item()) * 2
+
+    program = fxflops.trace(DataSized(), (torch.randn(3, 4), torch.tensor([5])), dims={"x": {0: "rows"}})
+    assert any("data-dependent sizes" in note for note in program.notes)
+    assert program.count(torch.randn(6, 4), torch.tensor([9])) == 2 * 6 * 4 * 4
+    everything = fxflops.conventions.FLOPCOUNTER.but(count="all")
+    assert program.total(convention=everything, rows=6) == 2 * 6 * 4 * 4

@@ -68,27 +68,47 @@ def test_lifted_modules_need_offsets_that_cover_every_row(model):
         program.count(*padded.inputs())
 
 
-def test_lifting_refuses_a_module_with_conditions_on_the_segment_length():
-    class Branchy(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.fc = nn.Linear(4, 4)
+class _Outer(nn.Module):
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
 
-        def forward(self, x, cu_seqlens):
-            chunks = torch.split(x, (cu_seqlens[1:] - cu_seqlens[:-1]).tolist())
-            return torch.cat([self.fc(c) if c.shape[0] > 3 else c for c in chunks])
+    def forward(self, x, cu_seqlens):
+        return self.inner(x, cu_seqlens)
 
-    class Outer(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.inner = Branchy()
 
-        def forward(self, x, cu_seqlens):
-            return self.inner(x, cu_seqlens)
+class _LongOnly(nn.Module):
+    """Applies its layer only to segments longer than 3 (a bound on the segment length)."""
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x, cu_seqlens):
+        chunks = torch.split(x, (cu_seqlens[1:] - cu_seqlens[:-1]).tolist())
+        return torch.cat([self.fc(c) if c.shape[0] > 3 else c for c in chunks])
+
+
+class _EvenOnly(_LongOnly):
+    def forward(self, x, cu_seqlens):
+        chunks = torch.split(x, (cu_seqlens[1:] - cu_seqlens[:-1]).tolist())
+        return torch.cat([self.fc(c) if c.shape[0] % 2 == 0 else c for c in chunks])
+
+
+def test_lifting_checks_bounds_on_the_segment_length_per_batch():
+    """The one-segment trace took the branch for s > 3: the program is exact for batches whose
+    segments all satisfy that, and a batch with a shorter segment is refused, naming the bound."""
+    x, cu = torch.randn(10, 4), torch.tensor([0, 4, 10])
+    program = fxflops.trace(_Outer(_LongOnly()), (x, cu), per_segment={"inner": "cu_seqlens"})
+    assert program.count(torch.randn(13, 4), torch.tensor([0, 5, 13])) == 2 * 13 * 4 * 4
+    with pytest.raises(fxflops.MetadataError, match=r"segments of length \[2\].*s > 3"):
+        program.count(torch.randn(7, 4), torch.tensor([0, 2, 7]))
+
+
+def test_lifting_refuses_conditions_it_cannot_check_per_segment():
     x, cu = torch.randn(10, 4), torch.tensor([0, 4, 10])
     with pytest.raises(fxflops.CaptureError, match="conditions on the segment length"):
-        fxflops.trace(Outer(), (x, cu), per_segment={"inner": "cu_seqlens"})
+        fxflops.trace(_Outer(_EvenOnly()), (x, cu), per_segment={"inner": "cu_seqlens"})
 
 
 def test_unmatched_pattern_is_an_error(model):

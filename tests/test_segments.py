@@ -215,3 +215,21 @@ def test_flopcountermode_cannot_see_the_varlen_op():
     with FlopCounterMode(display=False) as counter:
         varlen_attention(q, q, q, cu, cu, False)
     assert counter.get_total_flops() == 0
+
+
+def test_offsets_through_no_op_reshapes_are_followed():
+    """Hugging Face's Qwen2-VL builds the repeat counts as grid[:, 0].view(-1).expand(n): reshapes of
+    a vector to itself keep the rows, so the family is still per-frame h·w from image_grid_thw."""
+
+    class Reshaped(nn.Module):
+        def forward(self, x, grid):
+            counts = grid[:, 0].reshape(-1).expand(grid.shape[0])
+            cu = torch.nn.functional.pad(torch.repeat_interleave(grid[:, 1] * grid[:, 2], counts).cumsum(0), (1, 0))
+            return varlen_attention(x, x, x, cu, cu, False)
+
+    grid = torch.tensor([[1, 2, 3], [2, 2, 2]])
+    x = torch.randn(14, 2, 4)
+    program = fxflops.trace(Reshaped(), (x, grid), dims={"x": {0: "rows"}})
+    other = torch.tensor([[3, 1, 2], [1, 4, 1], [2, 1, 1]])
+    frames = [h * w for t, h, w in other.tolist() for _ in range(t)]
+    assert program.count(torch.randn(sum(frames), 2, 4), other) == 4 * 2 * 4 * sum(f * f for f in frames)

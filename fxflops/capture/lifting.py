@@ -61,10 +61,13 @@ def _(packed, offsets, shape, dtype, bill):
 
 @dataclass(frozen=True)
 class Lifted:
-    """A lifted module's single-segment trace; ``in_s`` maps its sizes to expressions in ``s``."""
+    """A lifted module's single-segment trace; ``in_s`` maps its sizes to expressions in ``s``;
+    ``conditions`` are bounds on ``s`` the trace relied on (``s > 1``), which every segment of a
+    batch must meet (the binder checks them on the segment lengths)."""
 
     graph_module: torch.fx.GraphModule
     in_s: Any
+    conditions: tuple[sympy.Expr, ...] = ()
 
 
 class _OffsetsValues:
@@ -175,10 +178,11 @@ def trace_segment(module: torch.nn.Module, path: str, bound: inspect.BoundArgume
     resolved = _OffsetsValues(gm.graph, offsets_node).unbacked
     conditions = [g.expr.xreplace({sym: SEGMENT}) for g in env.guards]
     conditions = [c for c in conditions if c is not sympy.true]  # e.g. s >= 0 holds for any length
-    if conditions:
+    uncheckable = [c for c in conditions if not _is_bound(c)]
+    if uncheckable:
         raise CaptureError(
             f"per-segment module {path!r} relies on conditions on the segment length "
-            f"({[str(c) for c in conditions]}) that fxflops cannot check for every segment"
+            f"({[str(c) for c in uncheckable]}) that fxflops cannot check for every segment"
         )
 
     def in_s(size: Any) -> sympy.Expr:
@@ -187,7 +191,15 @@ def trace_segment(module: torch.nn.Module, path: str, bound: inspect.BoundArgume
 
     output = next(n for n in gm.graph.nodes if n.op == "output").args[0]
     outs = [(tuple(in_s(d) for d in o.meta["val"].shape), o.meta["val"].dtype) for o in output]
-    return Lifted(gm, in_s), outs
+    return Lifted(gm, in_s, tuple(conditions)), outs
+
+
+def _is_bound(condition: sympy.Basic) -> bool:
+    """A comparison of ``s`` with a constant (``s > 1``, ``s <= 4096``, ``s != 1``): checkable per segment."""
+    relational = isinstance(condition, (sympy.StrictGreaterThan, sympy.GreaterThan, sympy.StrictLessThan, sympy.LessThan, sympy.Ne))
+    return relational and condition.free_symbols == {SEGMENT} and all(
+        side == SEGMENT or side.is_Integer for side in (condition.lhs, condition.rhs)
+    )
 
 
 @contextlib.contextmanager

@@ -85,6 +85,7 @@ class Family:
     name: str
     packed: set[sympy.Expr] = field(default_factory=set)  # packed lengths it cuts (segments fit in)
     covered: set[sympy.Expr] = field(default_factory=set)  # packed lengths it must cover exactly
+    conditions: set[sympy.Expr] = field(default_factory=set)  # bounds on ELEMENT every segment meets
 
     @property
     def source(self) -> Path:
@@ -123,6 +124,10 @@ class SegmentLengths:
     def packed(self, total: Any) -> None:
         self.family.packed.add(sympy.sympify(total))
 
+    def requires(self, condition: sympy.Expr) -> None:
+        """Record a bound every segment length must meet, in ``ELEMENT`` (a lifted module's guard)."""
+        self.family.conditions.add(condition)
+
     def covers(self, total: Any) -> None:
         """Record that the segments must cover a packed length exactly (per-segment lifting)."""
         self.family.covered.add(sympy.sympify(total))
@@ -144,12 +149,29 @@ _ELEMENTWISE = {
     "sub": operator.sub,
     "floor_divide": FloorDiv,
 }
+_RESHAPES = {"view", "_unsafe_view", "reshape", "expand", "expand_copy"}
 _IDENTITY = {"_to_copy", "to", "clone", "contiguous", "alias", "detach", "lift_fresh_copy", "_assert_tensor_metadata"}
 
 
 def _packet_name(target: Any) -> str:
     packet = getattr(target, "overloadpacket", None)
     return packet.__name__ if packet is not None else ""
+
+
+def _is_vector(node: torch.fx.Node) -> bool:
+    """The node's result is 1-d with as many elements as its input (a reshape that changes nothing)."""
+    out, source = node.meta.get("val"), node.args[0].meta.get("val")
+    return (
+        isinstance(out, torch.Tensor)
+        and isinstance(source, torch.Tensor)
+        and out.dim() == 1
+        and source.dim() == 1
+        and _size_expr(out.shape[0]) == _size_expr(source.shape[0])  # structural: no guard
+    )
+
+
+def _size_expr(size: Any) -> Any:
+    return size.node.expr if isinstance(size, torch.SymInt) else size
 
 
 def _combine(name: str, a: Any, b: Any) -> Rows | None:
@@ -172,6 +194,8 @@ def _transfer(node: torch.fx.Node, value: dict[torch.fx.Node, Any]) -> Any:
     args = [value.get(a) if isinstance(a, torch.fx.Node) else a for a in node.args]
     first = args[0] if args else None
     if name in _IDENTITY:
+        return first
+    if name in _RESHAPES and isinstance(first, Rows) and _is_vector(node):  # [n] -> [n]: the same rows
         return first
     if name == "slice" and isinstance(first, Table) and args[1] == 0 and args[2] in (0, None) and len(args) > 3 and args[3] >= 2**62:
         return first
