@@ -21,7 +21,7 @@ from fxflops.models.tiny_vlm import (
     random_batch,
 )
 
-pytest.importorskip("matplotlib")
+import matplotlib  # noqa: F401  (from the test extra; the plots need it)
 import numpy as np
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
