@@ -40,6 +40,7 @@ from fxflops.rules.not_counted import is_not_counted, touches_floats
 PHASES = ("fwd", "bwd", "recompute")
 BACKWARD_RULES = ("none", "traced", "2x")
 PER_SEGMENT = torch.ops.fxflops.per_segment.default
+PER_SEGMENT_GRAD = torch.ops.fxflops.per_segment_grad.default
 
 
 def backward_rule(backward: bool | str) -> str:
@@ -159,7 +160,9 @@ def _graph_terms(
         where = f"{op} in module {path or '<root>'!r}"
         if op is PER_SEGMENT:
             if node.args[4]:  # the first output of a lifted module's call carries its FLOPs
-                terms += _lifted_terms(node, path, where, named, segments, lifted[module_path(node)], phase)
+                terms += _lifted_terms(node, path, where, named, segments, lifted[module_path(node)])
+            continue
+        if op is PER_SEGMENT_GRAD:  # its backward is billed from the one-segment joint trace
             continue
         entry = entry_for(op)
         if entry is None:
@@ -246,7 +249,6 @@ def _lifted_terms(
     named: Callable[[Any], sympy.Expr],
     segments: SegmentAnalysis,
     lifted: Lifted,
-    phase: str,
 ) -> list[Term]:
     """A lifted module's single-segment terms P(s), billed as Σₖ cₖ·pₖ of its offsets' family."""
     try:
@@ -276,7 +278,7 @@ def _lifted_terms(
             f"{marker.name}.{t.node}",
             t.op,
             t.module,
-            phase,
+            t.phase,
             billed(t.flops, t.op, t.module),
             t.kind,
             None if t.causal_exact is None else billed(t.causal_exact, t.op, t.module),

@@ -16,7 +16,7 @@ from torch import nn
 
 import fxflops
 from fxflops.models.tiny_vlm import TinyVLM, VLMConfig, random_batch
-from reference import count_and_compare
+from reference import count_and_compare, per_module_training_reference
 
 CFG = replace(VLMConfig(), attention="loop")
 DIMS = {"input_ids": {1: "tokens"}, "pixel_values": {0: "patches"}}
@@ -152,3 +152,23 @@ def test_lifting_maps_sizes_and_tables_read_from_the_offsets():
     for lengths in ([10], [3, 3, 4], [1, 9]):
         offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
         assert program.count(torch.randn(sum(lengths), 8), offsets) == sum(2 * s * 8 * 8 for s in lengths)
+
+
+def test_lifted_modules_count_their_backward_exactly():
+    """backward=True with per_segment: each looping module's one-segment trace is joint, its backward
+    billed per segment; forward + backward per module equals every module replayed alone under
+    FlopCounterMode (the reference counts the loop's explicit matmuls and their gradients)."""
+    cfg = replace(VLMConfig(vision_layers=1, layers=1), attention="loop")
+    torch.manual_seed(0)
+    model = TinyVLM(cfg)
+    wrapper = fxflops.instrument(model, dims=DIMS, per_segment=PER_SEGMENT, backward=True, strict=True)
+    rng = random.Random(12)
+    for draw in range(8):
+        batch = random_batch(cfg, rng, images=(1, 5), sequences=(1, 10))
+        wrapper.flops.reset()
+        wrapper(*batch.inputs()).sum().backward()
+        got = wrapper.flops.breakdown()
+        for path, flops in per_module_training_reference(model, *batch.inputs()).items():
+            assert got[path] == flops, (draw, path)
+        assert wrapper.flops.total(phase="bwd") > wrapper.flops.total(phase="fwd")
+    assert wrapper.captures == 1

@@ -17,10 +17,12 @@ matching module's ``forward`` is temporarily replaced by a stand-in that:
    carrying the packed input and the offsets, so that the Program bills P as Σₖ cₖ·pₖ of the offsets'
    segment family (see ``capture/segments.py``).
 
-Modules of one type and parameter shapes called the same way are traced once. A single-segment trace
-that relies on a guard (which would have to hold for every piece) is refused. Rows past the last
-offset would be processed but not billed, so the offsets must cover the packed length exactly (the
-binder checks it).
+Modules of one type and parameter shapes called the same way are traced once. Bounds the one-segment
+trace relies on (``s > 1``) are checked on every segment of a batch; other conditions are refused.
+Rows past the last offset would be processed but not billed, so the offsets must cover the packed
+length exactly (the binder checks it). In a joint forward+backward capture the one-segment trace is
+joint too (its backward billed like its forward), and the marker's backward hands the packed input a
+gradient (``fxflops::per_segment_grad``) so that the backward upstream of the module is traced.
 """
 
 from __future__ import annotations
@@ -57,6 +59,30 @@ def per_segment_marker(
 @per_segment_marker.register_fake
 def _(packed, offsets, shape, dtype, bill):
     return packed.new_empty(shape, dtype=dtype)
+
+
+@torch.library.custom_op("fxflops::per_segment_grad", mutates_args=())
+def per_segment_grad(grad: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """The gradient a lifted module sends to its packed input, inside a joint capture (never runs for
+    real); the module's backward FLOPs come from its own one-segment joint trace."""
+    raise RuntimeError("fxflops::per_segment_grad only exists inside a capture")
+
+
+@per_segment_grad.register_fake
+def _(grad, packed):
+    return torch.empty_like(packed)
+
+
+def _marker_setup(ctx, inputs, output) -> None:
+    ctx.save_for_backward(inputs[0])
+
+
+def _marker_backward(ctx, grad):
+    (packed,) = ctx.saved_tensors
+    return per_segment_grad(grad, packed), None, None, None, None
+
+
+per_segment_marker.register_autograd(_marker_backward, setup_context=_marker_setup)
 
 
 @dataclass(frozen=True)
@@ -132,13 +158,15 @@ def _same_size(a: Any, b: Any) -> bool:
     return isinstance(a, int) and isinstance(b, int) and a == b
 
 
-def trace_segment(module: torch.nn.Module, path: str, bound: inspect.BoundArguments, offsets_name: str) -> tuple[Lifted, list]:
+def trace_segment(
+    module: torch.nn.Module, path: str, bound: inspect.BoundArguments, offsets_name: str, backward: bool = False
+) -> tuple[Lifted, list]:
     """Trace ``module`` on one segment of symbolic length ``s`` (see the module docstring).
 
     Returns the trace and, per tensor output, its (shape in ``s``, dtype).
     """
     from fxflops.capture.shape_env import BlamingShapeEnv
-    from fxflops.capture.trace import trace_graph
+    from fxflops.capture.trace import TENSOR, trace_graph
 
     packed = next(v for v in pytree.tree_leaves((bound.args, bound.kwargs)) if isinstance(v, torch.Tensor))
     rows = packed.shape[0]
@@ -164,14 +192,14 @@ def trace_segment(module: torch.nn.Module, path: str, bound: inspect.BoundArgume
         # get from data (rotary tables built per image) whose example value equals it
         if value.dim() and (_same_size(value.shape[0], rows) or (_unbacked(value.shape[0]) and sizes[0] == hint)):
             sizes[0] = s
-        return torch.empty(sizes, dtype=value.dtype, device=value.device)
+        return torch.empty(sizes, dtype=value.dtype, device=value.device).requires_grad_(value.requires_grad)
 
     with mode:
         args, kwargs = pytree.tree_map(one_segment, (bound.args, bound.kwargs))
     fake_offsets = next(
         f for f, v in zip(pytree.tree_leaves((args, kwargs)), pytree.tree_leaves((bound.args, bound.kwargs))) if v is offsets
     )
-    gm = trace_graph(module, mode, args, kwargs)
+    gm = trace_graph(module, mode, args, kwargs, backward)
     inputs = [v for v in pytree.tree_leaves((args, kwargs)) if isinstance(v, torch.Tensor)]
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     offsets_node = placeholders[next(i for i, t in enumerate(inputs) if t is fake_offsets)]
@@ -189,7 +217,8 @@ def trace_segment(module: torch.nn.Module, path: str, bound: inspect.BoundArgume
         expr = size.node.expr if isinstance(size, torch.SymInt) else sympy.Integer(size)
         return sympy.expand(env.replace(expr).xreplace(resolved).xreplace({sym: SEGMENT}))
 
-    output = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    structure = gm.meta["output_structure"][1]
+    output = next(n for n in gm.graph.nodes if n.op == "output").args[0][: sum(leaf is TENSOR for leaf in structure)]
     outs = [(tuple(in_s(d) for d in o.meta["val"].shape), o.meta["val"].dtype) for o in output]
     return Lifted(gm, in_s, tuple(conditions)), outs
 
@@ -203,9 +232,12 @@ def _is_bound(condition: sympy.Basic) -> bool:
 
 
 @contextlib.contextmanager
-def install_stand_ins(model: torch.nn.Module, patterns: dict[str, str]) -> Iterator[dict[str, Lifted]]:
+def install_stand_ins(
+    model: torch.nn.Module, patterns: dict[str, str], backward: bool = False
+) -> Iterator[dict[str, Lifted]]:
     """Replace the forward of every module matching ``patterns`` by a lifting stand-in for the
-    duration of a capture; yields ``{module path: Lifted}`` filled as the capture calls them."""
+    duration of a capture; yields ``{module path: Lifted}`` filled as the capture calls them. With
+    ``backward`` each one-segment trace is a joint forward+backward trace."""
     lifted: dict[str, Lifted] = {}
     if not patterns:
         yield lifted
@@ -221,7 +253,7 @@ def install_stand_ins(model: torch.nn.Module, patterns: dict[str, str]) -> Itera
         raise CaptureError(f"per_segment pattern(s) {unmatched} match no module of {type(model).__name__}")
     cache: dict[tuple, tuple[Lifted, list]] = {}
     for path, (module, offsets_name) in matches.items():
-        module.forward = _stand_in(module, path, offsets_name, lifted, cache)
+        module.forward = _stand_in(module, path, offsets_name, lifted, cache, backward)
     try:
         yield lifted
     finally:
@@ -229,7 +261,7 @@ def install_stand_ins(model: torch.nn.Module, patterns: dict[str, str]) -> Itera
             del module.forward
 
 
-def _stand_in(module: torch.nn.Module, path: str, offsets_name: str, lifted: dict, cache: dict) -> Any:
+def _stand_in(module: torch.nn.Module, path: str, offsets_name: str, lifted: dict, cache: dict, backward: bool) -> Any:
     from fxflops.capture.trace import TENSOR
 
     signature = inspect.signature(type(module).forward.__get__(module))
@@ -248,7 +280,7 @@ def _stand_in(module: torch.nn.Module, path: str, offsets_name: str, lifted: dic
             del module.forward  # the single-segment trace runs the real forward
             try:
                 with disable_proxy_modes_tracing(), unset_fake_temporarily():
-                    cache[key] = trace_segment(module, path, bound, offsets_name)
+                    cache[key] = trace_segment(module, path, bound, offsets_name, backward)
             finally:
                 module.forward = forward
         lifted[path], outs = cache[key]

@@ -236,11 +236,6 @@ def capture(
     ``per_segment`` lifts modules whose work is per segment (see ``capture/lifting.py``).
     ``backward`` captures the joint forward+backward graph (see ``capture/phases.py``).
     """
-    if per_segment and backward:
-        raise CaptureError(
-            "per_segment lifting does not support backward=True yet: a lifted module's stand-in has no "
-            "autograd formula; trace the forward, or use a varlen attention op instead of the Python loop"
-        )
     kwargs = kwargs or {}
     named = bind_call(model.forward, args, kwargs)
     tensors = tensor_leaves(named)
@@ -256,7 +251,7 @@ def capture(
     call_args, call_kwargs = pytree.tree_map(
         lambda v: fake_by_id[id(v)] if isinstance(v, torch.Tensor) else v, (args, kwargs)
     )
-    with install_stand_ins(model, per_segment or {}) as lifted:
+    with install_stand_ins(model, per_segment or {}, backward) as lifted:
         gm = trace_graph(model, mode, call_args, call_kwargs, backward)
     pinned = _check_free(env, env_syms, strict=dims is not None and not allow_pins)
     env_to_named = {sym: named_symbol(name) for name, sym in env_syms.items()}
