@@ -105,10 +105,13 @@ def test_lifting_checks_bounds_on_the_segment_length_per_batch():
         program.count(torch.randn(7, 4), torch.tensor([0, 2, 7]))
 
 
-def test_lifting_refuses_conditions_it_cannot_check_per_segment():
+def test_lifting_checks_any_condition_on_the_segment_length():
+    """A parity condition (``s % 2 == 0``) is checked per segment too."""
     x, cu = torch.randn(10, 4), torch.tensor([0, 4, 10])
-    with pytest.raises(fxflops.CaptureError, match="conditions on the segment length"):
-        fxflops.trace(_Outer(_EvenOnly()), (x, cu), per_segment={"inner": "cu_seqlens"})
+    program = fxflops.trace(_Outer(_EvenOnly()), (x, cu), per_segment={"inner": "cu_seqlens"})
+    assert program.count(torch.randn(12, 4), torch.tensor([0, 8, 12])) == 2 * 12 * 4 * 4
+    with pytest.raises(fxflops.MetadataError, match=r"segments of length \[3\]"):
+        program.count(torch.randn(7, 4), torch.tensor([0, 4, 7]))
 
 
 def test_unmatched_pattern_is_an_error(model):

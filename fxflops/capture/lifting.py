@@ -17,8 +17,9 @@ matching module's ``forward`` is temporarily replaced by a stand-in that:
    carrying the packed input and the offsets, so that the Program bills P as Σₖ cₖ·pₖ of the offsets'
    segment family (see ``capture/segments.py``).
 
-Modules of one type and parameter shapes called the same way are traced once. Bounds the one-segment
-trace relies on (``s > 1``) are checked on every segment of a batch; other conditions are refused.
+Modules of one type and parameter shapes called the same way are traced once. Conditions on ``s``
+alone that the one-segment trace relies on (``s > 1``) are checked on every segment of a batch;
+conditions involving other sizes are refused.
 Rows past the last offset would be processed but not billed, so the offsets must cover the packed
 length exactly (the binder checks it). In a joint forward+backward capture the one-segment trace is
 joint too (its backward billed like its forward), and the marker's backward hands the packed input a
@@ -88,8 +89,8 @@ per_segment_marker.register_autograd(_marker_backward, setup_context=_marker_set
 @dataclass(frozen=True)
 class Lifted:
     """A lifted module's single-segment trace; ``in_s`` maps its sizes to expressions in ``s``;
-    ``conditions`` are bounds on ``s`` the trace relied on (``s > 1``), which every segment of a
-    batch must meet (the binder checks them on the segment lengths)."""
+    ``conditions`` are the conditions on ``s`` the trace relied on (``s > 1``), which every segment
+    of a batch must meet (the binder checks them on the segment lengths)."""
 
     graph_module: torch.fx.GraphModule
     in_s: Any
@@ -224,11 +225,8 @@ def trace_segment(
 
 
 def _is_bound(condition: sympy.Basic) -> bool:
-    """A comparison of ``s`` with a constant (``s > 1``, ``s <= 4096``, ``s != 1``): checkable per segment."""
-    relational = isinstance(condition, (sympy.StrictGreaterThan, sympy.GreaterThan, sympy.StrictLessThan, sympy.LessThan, sympy.Ne))
-    return relational and condition.free_symbols == {SEGMENT} and all(
-        side == SEGMENT or side.is_Integer for side in (condition.lhs, condition.rhs)
-    )
+    """A condition on ``s`` alone (``s > 1``, ``32*s != 32``, ``s % 2 == 0``): checkable per segment."""
+    return condition.free_symbols == {SEGMENT}
 
 
 @contextlib.contextmanager
