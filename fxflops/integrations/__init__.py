@@ -109,6 +109,50 @@ class _Isolation:
         return elapsed
 
 
+class _Reporting:
+    """What both callbacks share: the report options, the meter, and making a report."""
+
+    def _options(
+        self,
+        source: Any,
+        peak_flops: float | None,
+        device: Any,
+        dtype: torch.dtype | None,
+        depth: int | None,
+        convention: Any,
+        tokens: str | None,
+        images: str | None,
+        prefix: str,
+        synchronize: bool,
+    ) -> None:
+        self.meter, self._owner = _resolve(source)
+        self.peak_flops = peak_flops
+        self.device = device
+        self.dtype = dtype
+        self.depth = depth
+        self.convention = convention
+        self.tokens = tokens
+        self.images = images
+        self.prefix = prefix
+        self.synchronize = synchronize
+        self.last_report = None
+        self._model: Any = None
+
+    def _make_report(self, elapsed: float, device: Any, dtype: torch.dtype) -> Any:
+        """A report of the meter over ``elapsed`` seconds, kept on ``last_report``."""
+        self.last_report = self.meter.report(
+            elapsed,
+            depth=self.depth,
+            convention=self.convention,
+            peak_flops=self.peak_flops,
+            device=device,
+            dtype=dtype,
+            tokens=self.tokens,
+            images=self.images,
+        )
+        return self.last_report
+
+
 def _synchronize(device: Any) -> None:
     """Wait for the accelerator (so host timing covers the work), no-op on the CPU."""
     if device is None:

@@ -51,16 +51,15 @@ from fxflops.integrations import (
     _find_wrapper,
     _holders,
     _Isolation,
-    _resolve,
+    _Reporting,
     _synchronize,
     _WarnOnce,
 )
-from fxflops.meter import Report
 
 __all__ = ["FlopsCallback"]
 
 
-class FlopsCallback(TrainerCallback):
+class FlopsCallback(TrainerCallback, _Reporting):
     """Log fxflops' exact FLOPs, TFLOP/s per GPU and MFU with every Trainer log (module docstring).
 
     ``source``: the ``fxflops.instrument`` wrapper (or anything with a ``.flops`` Meter, or the Meter);
@@ -85,19 +84,8 @@ class FlopsCallback(TrainerCallback):
         prefix: str = "fxflops/",
         synchronize: bool = True,
     ) -> None:
-        self.meter, self._owner = _resolve(source)
-        self.peak_flops = peak_flops
-        self.device = device
-        self.dtype = dtype
-        self.depth = depth
-        self.convention = convention
-        self.tokens = tokens
-        self.images = images
-        self.prefix = prefix
-        self.synchronize = synchronize
-        self.last_report: Report | None = None
+        self._options(source, peak_flops, device, dtype, depth, convention, tokens, images, prefix, synchronize)
         self.attached = False
-        self._model: Any = None
         self._mark: float | None = None
         self._excluded = 0.0
         self._eval_pending = False
@@ -197,17 +185,7 @@ class FlopsCallback(TrainerCallback):
         elapsed = now - self._mark - self._excluded
         self._mark, self._excluded = now, 0.0
         dtype = self.dtype or (torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32)
-        report = self.meter.report(
-            elapsed,
-            depth=self.depth,
-            convention=self.convention,
-            peak_flops=self.peak_flops,
-            device=device,
-            dtype=dtype,
-            tokens=self.tokens,
-            images=self.images,
-        )
-        self.last_report = report
+        report = self._make_report(elapsed, device, dtype)
         if report.uncounted:
             self._warn(f"{report.uncounted} call(s) could not be counted (see fxflops' warning)")
         metrics = report.metrics(self.prefix)

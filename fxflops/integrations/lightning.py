@@ -68,7 +68,7 @@ from fxflops.integrations import (
     _find_wrapper,
     _holders,
     _Isolation,
-    _resolve,
+    _Reporting,
     _synchronize,
     _WarnOnce,
 )
@@ -95,7 +95,7 @@ def _precision_dtype(precision: Any) -> torch.dtype:
     return torch.float32 if text.startswith("32") else torch.bfloat16
 
 
-class FlopsCallback(Callback):
+class FlopsCallback(Callback, _Reporting):
     """Log fxflops' exact FLOPs, TFLOP/s per GPU, MFU and Lightning's Throughput values (module docstring).
 
     ``source``: the ``fxflops.instrument`` wrapper (or anything with a ``.flops`` Meter, or the Meter);
@@ -129,23 +129,12 @@ class FlopsCallback(Callback):
             raise ValueError(f"log_every_n_steps must be >= 0, not {log_every_n_steps}")
         if window_size < 2:
             raise ValueError(f"window_size must be >= 2 (Throughput's rates need two updates), not {window_size}")
-        self.meter, self._owner = _resolve(source)
+        self._options(source, peak_flops, device, dtype, depth, convention, tokens, images, prefix, synchronize)
         self.log_every_n_steps = log_every_n_steps
-        self.peak_flops = peak_flops
-        self.device = device
-        self.dtype = dtype
-        self.depth = depth
-        self.convention = convention
-        self.tokens = tokens
-        self.images = images
-        self.prefix = prefix
         self.use_throughput = throughput
         self.window_size = window_size
         self.batch_size_fn = batch_size_fn
-        self.synchronize = synchronize
-        self.last_report: Report | None = None
         self.throughput: Throughput | None = None
-        self._model: Any = None
         self._every = 0
         self._started: float | None = None
         self._mark = 0.0
@@ -246,17 +235,7 @@ class FlopsCallback(Callback):
         now = time.perf_counter()
         elapsed = now - self._mark - self._excluded
         self._mark, self._excluded = now, 0.0
-        report = self.meter.report(
-            elapsed,
-            depth=self.depth,
-            convention=self.convention,
-            peak_flops=self.peak_flops,
-            device=device,
-            dtype=self.dtype or _precision_dtype(trainer.precision),
-            tokens=self.tokens,
-            images=self.images,
-        )
-        self.last_report = report
+        report = self._make_report(elapsed, device, self.dtype or _precision_dtype(trainer.precision))
         if report.uncounted:
             self._warn(f"{report.uncounted} call(s) could not be counted (see fxflops' warning)")
         metrics = report.metrics(self.prefix)
