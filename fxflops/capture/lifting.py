@@ -44,6 +44,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
 from torch.fx.experimental.symbolic_shapes import DimDynamic
 
+from fxflops.capture.segments import op_name
 from fxflops.errors import CaptureError
 
 SEGMENT = sympy.Symbol("s", integer=True, positive=True)
@@ -113,8 +114,7 @@ class _OffsetsValues:
                     self.values[node] = value
 
     def _evaluate(self, node: torch.fx.Node) -> Any:
-        target = node.target
-        name = getattr(getattr(target, "overloadpacket", None), "__name__", getattr(target, "__name__", ""))
+        name = op_name(node.target)
         args = [self.values.get(a) if isinstance(a, torch.fx.Node) else a for a in node.args]
         x = args[0]
         if name in self._SAME:

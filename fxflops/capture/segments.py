@@ -153,9 +153,11 @@ _RESHAPES = {"view", "_unsafe_view", "reshape", "expand", "expand_copy"}
 _IDENTITY = {"_to_copy", "to", "clone", "contiguous", "alias", "detach", "lift_fresh_copy", "_assert_tensor_metadata"}
 
 
-def _packet_name(target: Any) -> str:
+def op_name(target: Any) -> str:
+    """An FX call target's short name: the overload packet's (``cumsum``), else the function's
+    (``getitem``)."""
     packet = getattr(target, "overloadpacket", None)
-    return packet.__name__ if packet is not None else ""
+    return packet.__name__ if packet is not None else getattr(target, "__name__", "")
 
 
 def _is_vector(node: torch.fx.Node) -> bool:
@@ -190,7 +192,7 @@ def _combine(name: str, a: Any, b: Any) -> Rows | None:
 
 def _transfer(node: torch.fx.Node, value: dict[torch.fx.Node, Any]) -> Any:
     """The abstract value of ``node`` from its inputs' (``None`` where it cannot be followed)."""
-    name = _packet_name(node.target)
+    name = op_name(node.target)
     args = [value.get(a) if isinstance(a, torch.fx.Node) else a for a in node.args]
     first = args[0] if args else None
     if name in _IDENTITY:
