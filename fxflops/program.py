@@ -18,7 +18,7 @@ import operator
 import warnings
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import networkx as nx
@@ -26,6 +26,7 @@ import sympy
 import torch
 
 from fxflops.binder import Binder, python_source
+from fxflops.capture.adapters import Adapter
 from fxflops.capture.inputs import path_label
 from fxflops.capture.lifting import SEGMENT, Lifted
 from fxflops.capture.phases import phase_of
@@ -202,9 +203,24 @@ def _graph_terms(
                 "that no input shape or segment family gives"
             )
         if flops != 0:
-            terms.append(Term(node.name, str(op), path, phase, flops, entry.kind, exact))
+            terms += _split_recompute(Term(node.name, str(op), path, phase, flops, entry.kind, exact), entry, args, kwargs, out_shape)
             notes += _mask_notes(node, path)
     return terms, unsupported, notes
+
+
+def _split_recompute(term: Term, entry: Any, args: list, kwargs: dict, out_shape: Any) -> list[Term]:
+    """A backward term whose rule recomputes forward work (``Entry.recomputed``), as a ``bwd`` term
+    and a ``recompute`` term holding that share of its FLOPs (and of its exact-causal FLOPs)."""
+    if entry.recomputed is None or term.phase != "bwd":
+        return [term]
+    share = sympy.sympify(entry.recomputed(*args, out_shape=out_shape, **kwargs))
+    again = sympy.expand(term.flops * share)
+    again_exact = None if term.causal_exact is None else sympy.expand(term.causal_exact * share)
+    rest_exact = None if term.causal_exact is None else sympy.expand(term.causal_exact - again_exact)
+    return [
+        replace(term, flops=sympy.expand(term.flops - again), causal_exact=rest_exact),
+        replace(term, node=f"{term.node}.recompute", phase="recompute", flops=again, causal_exact=again_exact),
+    ]
 
 
 _MASK_ARGUMENTS = ("attn_mask", "attn_bias")
@@ -333,6 +349,7 @@ class Program:
         self.all_symbols = tuple(sorted(symbols, key=str))  # what the binder reads, in order
         self.guards = guards
         self.binder = binder
+        self.prepare: Callable[[tuple, dict], tuple[tuple, dict]] = Adapter().prepare  # see capture/adapters.py
         self.tree = nx.DiGraph()
         self.tree.add_node("")
         for path in [*module_paths, *(t.module for t in terms)]:
@@ -519,9 +536,14 @@ class Program:
         phases = PHASES if phase is None else (phase,)
         return sympy.expand(sum((formulas.get((path, ph), 0) for ph in phases), sympy.Integer(0)))
 
+    def values(self, *args: Any, **kwargs: Any) -> tuple[int, ...]:
+        """The symbol values of the call ``model(*args, **kwargs)``, in ``all_symbols`` order (the
+        model family's adapter first adds the metadata the model would derive, see ``prepare``)."""
+        return self.binder.values(*self.prepare(args, kwargs))
+
     def count(self, *args: Any, **kwargs: Any) -> int:
         """FLOPs of ``model(*args, **kwargs)`` from the batch's shapes, without running the model."""
-        values = self.binder.values(args, kwargs)
+        values = self.values(*args, **kwargs)
         if not self.within_guards(*values):
             raise GuardError(self.explain_guard_failure(values))
         return self.evaluate(self.monomials(*values))

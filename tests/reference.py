@@ -126,6 +126,18 @@ def training_reference_total(model: torch.nn.Module, *args) -> int:
     return counter.get_total_flops()
 
 
+def model_training_reference_total(model: torch.nn.Module, *args) -> int:
+    """Model FLOPs of forward + ``loss.backward()``: FlopCounterMode with SDPA on the MATH backend,
+    whose backward is explicit bmm's (dQ, dK, dV, dP: 2x the forward, no recomputed scores). Fused
+    kernels also recompute Q·Kᵀ in their backward; fxflops bills that to the ``recompute`` phase, so
+    its fwd + bwd phases equal this and its total equals :func:`training_reference_total`."""
+    reference = degrouped(model)
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        out = reference(*args)
+        sum(t.float().sum() for t in torch.utils._pytree.tree_leaves(out) if torch.is_tensor(t) and t.is_floating_point()).backward()
+    return counter.get_total_flops()
+
+
 def _clone_leaf(value):
     if torch.is_tensor(value):
         return value.detach().clone().requires_grad_(value.requires_grad)

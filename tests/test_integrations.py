@@ -15,6 +15,7 @@ import time
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 import fxflops
@@ -163,8 +164,8 @@ def test_lightning_logs_exact_flops_per_optimizer_step_and_throughput():
     ``sdpa_backward_flop_count`` are registered for those kernels (``flop_counter_with_cpu_attention``),
     i.e. the fused backward costs 2.5x the forward (dQ, dK, dV, dP and the recomputed scores), which is
     what the kernel does and what fxflops counts from the traced backward op. Running the reference on
-    the MATH backend instead would count its backward as 2x (4 bmm, the scores kept from the forward):
-    the same forward, a different kernel's backward, so not the run being measured.
+    the MATH backend counts its backward as 2x (4 bmm, the scores kept from the forward): the model
+    FLOPs, which leave the recomputed scores out as MFU leaves out any recompute.
     """
     import pytorch_lightning as pl  # from the test extra
     from pytorch_lightning.loggers import Logger
@@ -180,6 +181,9 @@ def test_lightning_logs_exact_flops_per_optimizer_step_and_throughput():
     with flop_counter_with_cpu_attention(), FlopCounterMode(display=False) as counter:
         _lm_loss(reference(ids), ids).backward()
     per_step = accumulate * counter.get_total_flops()
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        _lm_loss(reference(ids), ids).backward()
+    model_per_step = accumulate * counter.get_total_flops()  # the backward's recomputed Q·Kᵀ left out
 
     class MemoryLogger(Logger):
         def __init__(self) -> None:
@@ -234,11 +238,11 @@ def test_lightning_logs_exact_flops_per_optimizer_step_and_throughput():
     assert [step for step, _ in logged] == [0, 1, 2]
     # the sanity check captured first (with grad enabled: its backward graph serves training)
     assert lit.model.captures == 1 and flops.last_report.uncounted == 0
-    assert sum(m[PREFIX + "model_flops_per_step"] for _, m in logged) == 3 * per_step
+    assert sum(m[PREFIX + "model_flops_per_step"] for _, m in logged) == 3 * model_per_step
 
     previous_time = 0.0
     for k, (_, m) in enumerate(logged, start=1):
-        assert m[PREFIX + "model_flops_per_step"] == per_step  # exact: logged as float64
+        assert m[PREFIX + "model_flops_per_step"] == model_per_step  # exact: logged as float64
         assert m[PREFIX + "flops_per_step"] == per_step
         assert _close(m[PREFIX + "mfu"], m[PREFIX + "tflops_per_gpu"] * 1e12 / PEAK)
         # Lightning's Throughput, fed the exact FLOPs at each report
@@ -248,7 +252,7 @@ def test_lightning_logs_exact_flops_per_optimizer_step_and_throughput():
         assert m[t + "time"] > previous_time
         interval = m[t + "time"] - previous_time
         previous_time = m[t + "time"]
-        assert _close(m[t + "device/flops_per_sec"], per_step / interval, rel=1e-6)
+        assert _close(m[t + "device/flops_per_sec"], model_per_step / interval, rel=1e-6)
         assert _close(m[t + "device/flops_per_sec"], m[PREFIX + "tflops_per_gpu"] * 1e12, rel=1e-6)
         assert _close(m[t + "device/mfu"], m[PREFIX + "mfu"], rel=1e-6)
         assert _close(m[t + "device/batches_per_sec"], accumulate / interval, rel=1e-6)

@@ -28,9 +28,12 @@ def test_gradient_accumulation_steps_and_report():
         if i % 2 == 1:
             wrapper.flops.step()
     expected = sum(wrapper.program.total(b=b, s=s) for b, s in shapes)
+    recomputed = sum(wrapper.program.total(phase="recompute", b=b, s=s) for b, s in shapes)  # SDPA's Q·Kᵀ
+    expected -= recomputed
     report = wrapper.flops.report(elapsed_s=2.0, peak_flops=1e9, tokens="s")
     assert report.steps == 2 and report.calls == 4
-    assert report.hardware_flops == report.model_flops == expected
+    assert recomputed > 0 and report.hardware_flops == report.model_flops + recomputed
+    assert report.model_flops == expected
     assert report.tflops_per_gpu == pytest.approx(expected / 2.0 / 1e12)
     assert report.mfu == pytest.approx(expected / 2.0 / 1e9)
     assert report.tokens == sum(s for _, s in shapes)  # the sum of the "s" symbol over the calls
@@ -77,7 +80,7 @@ def _data_parallel_rank(rank: int, world: int, port: int, results) -> None:
     for step in range(2):  # every rank sees different batch shapes
         b, s = 1 + rank, 5 + 7 * rank + step
         wrapper(torch.randint(0, 100, (b, s))).sum().backward()
-        local += wrapper.program.total(b=b, s=s)
+        local += wrapper.program.total(phase="fwd", b=b, s=s) + wrapper.program.total(phase="bwd", b=b, s=s)
         wrapper.flops.step()
     report = wrapper.flops.report(elapsed_s=1.0, peak_flops=1e12)
     results[rank] = (local, report.model_flops, report.world_size, report.steps)

@@ -15,11 +15,12 @@ import torch
 import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from torch import nn
+from torch.utils import flop_counter
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 import fxflops
 from fxflops.models.tiny_gpt import GPTConfig, TinyGPT
-from reference import per_module_training_reference, training_reference_total
+from reference import model_training_reference_total, per_module_training_reference, training_reference_total
 from zoo import CASES
 
 DRAWS_PER_MODEL = 20  # 5 models -> 100 random shapes
@@ -58,8 +59,12 @@ def test_phases_split_the_total():
     program = fxflops.trace(model, (ids,), dims={"input_ids": {0: "b", 1: "s"}}, backward=True)
     values = {"b": 3, "s": 17}
     fwd, bwd = program.total(phase="fwd", **values), program.total(phase="bwd", **values)
-    assert program.total(phase="recompute", **values) == 0
-    assert fwd + bwd == program.total(**values) == training_reference_total(model, torch.randint(0, 100, (3, 17)))
+    recompute = program.total(phase="recompute", **values)
+    batch = torch.randint(0, 100, (3, 17))
+    # the fused SDPA backward recomputes Q·Kᵀ: one (b·heads, s, d) x (b·heads, d, s) bmm per layer
+    assert recompute == 2 * flop_counter.bmm_flop((3 * 2, 17, 16), (3 * 2, 16, 17))
+    assert fwd + bwd == model_training_reference_total(model, batch)  # attention backward as bmm's
+    assert fwd + bwd + recompute == program.total(**values) == training_reference_total(model, batch)
     forward_only = fxflops.trace(model, (ids,), dims={"input_ids": {0: "b", 1: "s"}})
     assert forward_only.total(**values) == fwd
     assert "backward traced from the autograd graph" in program.table(**values)

@@ -6,7 +6,9 @@ Conventions, as FlopCounterMode (torch/utils/flop_counter.py ``sdpa_flop_count``
 
 - forward: S = Q·Kᵀ and O = P·V -> 2·B·Hq·Sq·Sk·(Dqk + Dv) (= 4·B·H·S²·D for equal sizes);
 - fused backward: recompute S = Q·Kᵀ, dP = dO·Vᵀ, dV = Pᵀ·dO, dQ = dS·K, dK = dSᵀ·Q
-  -> 2·B·Hq·Sq·Sk·(3·Dqk + 2·Dv) (= 2.5× forward for Dqk = Dv);
+  -> 2·B·Hq·Sq·Sk·(3·Dqk + 2·Dv) (= 2.5× forward for Dqk = Dv). The recomputed Q·Kᵀ,
+  2·B·Hq·Sq·Sk·Dqk, is billed to the ``recompute`` phase: model FLOPs (fwd + bwd) then equal those
+  of the same attention written as matmuls (2× forward), and hardware FLOPs keep the recompute;
 - grouped-query attention is counted at the query heads (each query head does its own products);
 - causal masks, attention masks/biases, dropout, softmax and block sparsity are not counted: the
   count is the dense one (causal is never halved); gradient masks are ignored (kernels compute all).
@@ -22,6 +24,7 @@ import torch
 
 from fxflops.rules.registry import register
 from fxflops.rules.varlen import (
+    recomputed_scores,
     varlen_backward_causal,
     varlen_backward_flops,
     varlen_forward_causal,
@@ -143,6 +146,7 @@ def sdpa_forward(query, key, value, *args, out_shape=None, **kwargs):
     aten._scaled_dot_product_flash_attention_for_cpu_backward,
     aten._scaled_dot_product_fused_attention_overrideable_backward,
     causal=sdpa_backward_causal,
+    recomputed=recomputed_scores(1),
 )
 def sdpa_backward(grad_out, query, key, value, *args, out_shape=None, **kwargs):
     """SDPA fused backward, (B,H,S,D) inputs: 2·B·Hq·Sq·Sk·(3·Dqk + 2·Dv).
@@ -153,7 +157,7 @@ def sdpa_backward(grad_out, query, key, value, *args, out_shape=None, **kwargs):
     return _heads_first(_attention_backward_flops, query, key, value)
 
 
-@register(aten._scaled_dot_product_efficient_attention_backward, causal=sdpa_backward_causal)
+@register(aten._scaled_dot_product_efficient_attention_backward, causal=sdpa_backward_causal, recomputed=recomputed_scores(1))
 def sdpa_efficient_backward(grad_out_, query, key, value, *args, out_shape=None, **kwargs):
     """Memory-efficient SDPA backward: as ``sdpa_backward`` (its schema names the gradient ``grad_out_``)."""
     return _heads_first(_attention_backward_flops, query, key, value)
@@ -176,7 +180,7 @@ def flash_attention_forward(query, key, value, cum_seq_q, cum_seq_k, *args, out_
     return _sequence_first(_attention_forward_flops, query, key, value)
 
 
-@register(aten._flash_attention_backward, segments=(6, 7), causal=flash_attention_backward_causal)
+@register(aten._flash_attention_backward, segments=(6, 7), causal=flash_attention_backward_causal, recomputed=recomputed_scores(1))
 def flash_attention_backward(
     grad_out, query, key, value, forward_out, logsumexp, cum_seq_q, cum_seq_k, *args, out_shape=None, **kwargs,
 ):
@@ -203,7 +207,9 @@ def efficient_attention_forward(query, key, value, bias, cu_seqlens_q, cu_seqlen
     return _sequence_first(_attention_forward_flops, query, key, value)
 
 
-@register(aten._efficient_attention_backward, segments=(6, 7), causal=efficient_attention_backward_causal)
+@register(
+    aten._efficient_attention_backward, segments=(6, 7), causal=efficient_attention_backward_causal, recomputed=recomputed_scores(1)
+)
 def efficient_attention_backward(
     grad_out_, query, key, value, bias, forward_out, cu_seqlens_q, cu_seqlens_k, *args, out_shape=None, **kwargs,
 ):
@@ -227,7 +233,7 @@ def flex_attention(query, key, value, score_mod, block_mask, *args, out_shape=No
     return _heads_first(_attention_forward_flops, query, key, value)
 
 
-@register(torch.ops.higher_order.flex_attention_backward)
+@register(torch.ops.higher_order.flex_attention_backward, recomputed=recomputed_scores(0))
 def flex_attention_backward(query, key, value, forward_out, logsumexp, grad_out, *args, out_shape=None, **kwargs):
     """flex_attention_backward, (B,H,S,D) inputs: 2·B·Hq·Sq·Sk·(3·Dqk + 2·Dv), dense.
 

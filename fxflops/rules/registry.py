@@ -38,12 +38,16 @@ class Entry:
     ``"embedding"`` (gathers: only when a convention counts them). ``causal``, for attention, gives the
     exact FLOPs of a causal call (the lower triangle, s(s+1)/2 pairs per sequence) from the same
     arguments; conventions that halve or keep causal attention use it. ``segments`` as above.
+    ``recomputed``, for a fused backward, gives the share of its FLOPs that recomputes forward work
+    (flash-style attention backward recomputes S = Q·Kᵀ): the Program bills that share to the
+    ``recompute`` phase, so model FLOPs (MFU) leave it out as they leave out checkpointing recompute.
     """
 
     rule: Rule
     segments: tuple[int | str, ...] = ()
     causal: Rule | None = None
     kind: str = "matmul"
+    recomputed: Rule | None = None
 
 
 _ENTRIES: dict[Any, Entry] = {}
@@ -61,7 +65,11 @@ def _name_key(op: Any) -> str | None:
 
 
 def register(
-    *ops: Any, segments: tuple[int | str, ...] = (), causal: Rule | None = None, kind: str = "matmul"
+    *ops: Any,
+    segments: tuple[int | str, ...] = (),
+    causal: Rule | None = None,
+    kind: str = "matmul",
+    recomputed: Rule | None = None,
 ) -> Callable[[Rule], Rule]:
     """Decorator registering ``rule`` for every op in ``ops``.
 
@@ -69,7 +77,7 @@ def register(
     the rule then covers every overload of that packet), a ``"namespace::name"`` string (for an op of
     a package that may not be imported yet, e.g. ``"flash_attn::_flash_attn_varlen_forward"``) or
     any other callable target that appears in an FX graph (a higher-order op such as
-    ``flex_attention``). ``segments``, ``causal`` and ``kind``: see :class:`Entry`. Registering again
+    ``flex_attention``). ``segments``, ``causal``, ``kind`` and ``recomputed``: see :class:`Entry`. Registering again
     replaces the rule, which is how users override a built-in rule or add one for their own custom op.
     """
     if kind not in KINDS:
@@ -77,7 +85,7 @@ def register(
 
     def decorator(rule: Rule) -> Rule:
         for op in ops:
-            _ENTRIES[_key(op)] = Entry(rule, tuple(segments), causal, kind)
+            _ENTRIES[_key(op)] = Entry(rule, tuple(segments), causal, kind, recomputed)
         return rule
 
     return decorator

@@ -49,6 +49,18 @@ def varlen_backward_flops(query, key, value, cu_q: SegmentLengths, cu_k: Segment
     return 2 * query[-2] * (3 * query[-1] + 2 * value[-1]) * pair_sum(cu_q, cu_k)
 
 
+def recomputed_scores(q_at: int):
+    """The share of a fused attention backward (query at ``q_at``, key and value after it) that
+    recomputes the forward's S = Q·Kᵀ: Dqk / (3·Dqk + 2·Dv) of 2·…·(3·Dqk + 2·Dv). FlashAttention-2
+    (Dao, 2023) Algorithm 2, line 11; torch/utils/flop_counter.py ``sdpa_backward_flop_count`` step 1."""
+
+    def share(*args, out_shape=None, **kwargs):
+        qk_dim, v_dim = sympy.sympify(args[q_at][-1]), sympy.sympify(args[q_at + 2][-1])
+        return qk_dim / (3 * qk_dim + 2 * v_dim)
+
+    return share
+
+
 def _api(flops_of, q_at: int, offsets_at: int, block_table_at: int | None):
     """A rule for a varlen API with q, k, v at ``q_at`` and the two offsets at ``offsets_at``; a paged
     KV cache (``block_table``, at ``block_table_at`` or by keyword) is refused: its work depends on a
@@ -69,7 +81,10 @@ def _register(name: str, backward: bool, q_at: int, offsets_at: int, block_table
     """Register ``name`` (``"namespace::op"``) with its full and exact-causal rules. Sliding windows
     (``window_size``) are counted dense per segment, like causal masks under ``causal="full"``."""
     full, causal = (varlen_backward_flops, varlen_backward_causal) if backward else (varlen_forward_flops, varlen_forward_causal)
-    register(name, segments=(offsets_at, offsets_at + 1), causal=_api(causal, q_at, offsets_at, block_table_at))(
+    recomputed = recomputed_scores(q_at) if backward else None
+    register(
+        name, segments=(offsets_at, offsets_at + 1), causal=_api(causal, q_at, offsets_at, block_table_at), recomputed=recomputed
+    )(
         _api(full, q_at, offsets_at, block_table_at)
     )
 
