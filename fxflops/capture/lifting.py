@@ -159,6 +159,24 @@ def _same_size(a: Any, b: Any) -> bool:
     return isinstance(a, int) and isinstance(b, int) and a == b
 
 
+def _packed_rows(value: Any, rows: Any) -> bool:
+    """Whether tensor ``value`` runs along the packed rows: its dim 0 is ``rows``, or is a symbolic
+    size equal to it in the example (a table built from other inputs, e.g. rotary cos/sin from
+    precomputed position ids; :func:`_tie_to_rows` makes that equality a guard of the outer trace)."""
+    if not isinstance(value, torch.Tensor) or not value.dim():
+        return False
+    size = value.shape[0]
+    return _same_size(size, rows) or (isinstance(size, torch.SymInt) and _hint(size, _hint(rows)) == _hint(rows))
+
+
+def _tie_to_rows(bound: inspect.BoundArguments, rows: Any, offsets: Any) -> None:
+    """In the outer trace, assert that every argument taken as packed has exactly ``rows`` rows, so
+    a batch where they differ falls outside the program's guards instead of being billed wrongly."""
+    for value in pytree.tree_leaves((bound.args, bound.kwargs)):
+        if value is not offsets and _packed_rows(value, rows) and not _unbacked(value.shape[0]):
+            torch._check(value.shape[0] == rows)
+
+
 def trace_segment(
     module: torch.nn.Module, path: str, bound: inspect.BoundArguments, offsets_name: str, backward: bool = False
 ) -> tuple[Lifted, list]:
@@ -191,7 +209,7 @@ def trace_segment(
         sizes = [_hint(d, hint) for d in value.shape]
         # packed along dim 0: the same size as the packed input, or a size the outer trace could only
         # get from data (rotary tables built per image) whose example value equals it
-        if value.dim() and (_same_size(value.shape[0], rows) or (_unbacked(value.shape[0]) and sizes[0] == hint)):
+        if _packed_rows(value, rows):
             sizes[0] = s
         return torch.empty(sizes, dtype=value.dtype, device=value.device).requires_grad_(value.requires_grad)
 
@@ -266,6 +284,9 @@ def _stand_in(module: torch.nn.Module, path: str, offsets_name: str, lifted: dic
 
     def forward(*args: Any, **kwargs: Any) -> Any:
         bound = signature.bind(*args, **kwargs)
+        packed = next(v for v in pytree.tree_leaves((bound.args, bound.kwargs)) if isinstance(v, torch.Tensor))
+        offsets = bound.arguments[offsets_name]
+        _tie_to_rows(bound, packed.shape[0], offsets)
         key = (
             type(module),
             tuple(tuple(p.shape) for p in module.parameters()),
@@ -282,8 +303,6 @@ def _stand_in(module: torch.nn.Module, path: str, offsets_name: str, lifted: dic
             finally:
                 module.forward = forward
         lifted[path], outs = cache[key]
-        packed = next(v for v in pytree.tree_leaves((bound.args, bound.kwargs)) if isinstance(v, torch.Tensor))
-        offsets = bound.arguments[offsets_name]
         markers = []
         for i, (shape, dtype) in enumerate(outs):
             sizes = []

@@ -25,6 +25,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import DimDynamic
 
+from fxflops.capture.adapters import Adapter
 from fxflops.capture.lifting import Lifted, install_stand_ins
 from fxflops.capture.phases import run_backward, tagging_recompute
 from fxflops.capture.inputs import DimSpec, Path, bind_call, resolve_dims, tensor_leaves
@@ -151,6 +152,27 @@ def _no_stack_traces() -> Iterator[None]:
         torch.fx.config.do_not_emit_stack_traces = before
 
 
+@contextlib.contextmanager
+def _contiguous_copies() -> Iterator[None]:
+    """``Tensor.contiguous()`` as an unconditional contiguous copy while tracing.
+
+    Whether a strided view is already contiguous depends on its sizes (``labels[..., 1:]`` is
+    contiguous only when the batch is 1), so the real method would make that answer a guard on the
+    size symbols; either answer moves data and does no arithmetic, so copying always gives the same
+    values and the same FLOPs without the guard. (HF's causal-LM loss does this on every call.)
+    """
+    original = torch.Tensor.contiguous
+
+    def contiguous(self: torch.Tensor, memory_format: torch.memory_format = torch.contiguous_format) -> torch.Tensor:
+        return self.clone(memory_format=memory_format)
+
+    torch.Tensor.contiguous = contiguous
+    try:
+        yield
+    finally:
+        torch.Tensor.contiguous = original
+
+
 def trace_graph(
     model: torch.nn.Module, mode: FakeTensorMode, args: tuple, kwargs: dict, backward: bool = False
 ) -> torch.fx.GraphModule:
@@ -179,7 +201,7 @@ def trace_graph(
             call_leaves[i] = tensor
         call_args, call_kwargs = pytree.tree_unflatten(call_leaves, tree)
         swapped = dict(zip(state, flat[len(slots) :]))
-        out = torch.func.functional_call(model, swapped, call_args, call_kwargs, strict=False)
+        out = torch.func.functional_call(model, swapped, call_args, call_kwargs, tie_weights=False, strict=False)
         out_leaves, spec = pytree.tree_flatten(out)
         structure.extend([spec, [TENSOR if isinstance(x, torch.Tensor) else x for x in out_leaves]])
         outputs = [x for x in out_leaves if isinstance(x, torch.Tensor)]
@@ -191,7 +213,7 @@ def trace_graph(
     run._orig_mod = model  # make_fx records nn_module_stack relative to this root
     try:
         phases = tagging_recompute() if backward else contextlib.nullcontext()
-        with fx_config.patch(backed_size_oblivious=True), _no_stack_traces(), phases, mode:
+        with fx_config.patch(backed_size_oblivious=True), _no_stack_traces(), _contiguous_copies(), phases, mode:
             gm = make_fx(
                 run, tracing_mode="symbolic", _allow_non_fake_inputs=True, record_module_stack=True
             )(*(leaves[i] for i in slots), *fake_state)
@@ -227,6 +249,7 @@ def capture(
     allow_pins: bool = False,
     per_segment: dict[str, str] | None = None,
     backward: bool = False,
+    adapter: Adapter | None = None,
 ) -> Captured:
     """Trace ``model(*args, **kwargs)`` once with the ``dims`` as free symbols (see module doc).
 
@@ -235,8 +258,15 @@ def capture(
     outside an earlier program's guards: the pin becomes a guard of the new branch).
     ``per_segment`` lifts modules whose work is per segment (see ``capture/lifting.py``).
     ``backward`` captures the joint forward+backward graph (see ``capture/phases.py``).
+    ``adapter`` (``capture/adapters.py``; the call is already prepared by it) names the dims when
+    ``dims`` is ``None`` (pins allowed, as for automatic names), adds its per-segment modules and
+    holds its capture context.
     """
     kwargs = kwargs or {}
+    adapter = adapter or Adapter()
+    if dims is None and (named_dims := adapter.dims(args, kwargs)) is not None:
+        dims, allow_pins = named_dims, True
+    per_segment = {**adapter.per_segment, **(per_segment or {})}
     named = bind_call(model.forward, args, kwargs)
     tensors = tensor_leaves(named)
     specs = resolve_dims(dims, tensors)
@@ -251,7 +281,7 @@ def capture(
     call_args, call_kwargs = pytree.tree_map(
         lambda v: fake_by_id[id(v)] if isinstance(v, torch.Tensor) else v, (args, kwargs)
     )
-    with install_stand_ins(model, per_segment or {}, backward) as lifted:
+    with adapter.capturing(), install_stand_ins(model, per_segment, backward) as lifted:
         gm = trace_graph(model, mode, call_args, call_kwargs, backward)
     pinned = _check_free(env, env_syms, strict=dims is not None and not allow_pins)
     env_to_named = {sym: named_symbol(name) for name, sym in env_syms.items()}
