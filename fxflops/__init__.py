@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from fxflops import conventions, rules
+from fxflops.capture.adapters import adapter_for
 from fxflops.capture.compile import CountingBackend
 from fxflops.capture.trace import capture as _capture
 from fxflops.errors import (
@@ -62,12 +63,20 @@ def trace(
     ``fwd``, ``bwd`` or ``recompute`` (activation checkpointing) and ``total(phase=...)`` selects them;
     frozen parameters and inputs without grad change the backward exactly as autograd does.
     ``backward="2x"`` adds twice each forward term instead (the rule formula-based tools use).
+
+    A Hugging Face ``transformers`` model is captured through its adapter
+    (:mod:`fxflops.integrations.transformers`): metadata its forward would derive with loops is derived
+    from the batch, its vision attention is lifted per segment, and its dims get readable names.
     """
     if not isinstance(args, tuple):
         args = (args,)
     rule = backward_rule(backward)
-    captured = _capture(model, args, kwargs, dims, per_segment=per_segment, backward=rule == "traced")
-    return Program.from_capture(captured, model, segments, strict_metadata, rule)
+    adapter = adapter_for(model)
+    args, kwargs = adapter.prepare(args, kwargs or {})
+    captured = _capture(model, args, kwargs, dims, per_segment=per_segment, backward=rule == "traced", adapter=adapter)
+    program = Program.from_capture(captured, model, segments, strict_metadata, rule)
+    program.prepare = adapter.prepare
+    return program
 
 
 def backend(

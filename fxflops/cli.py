@@ -146,7 +146,7 @@ def trace_example(example: dict, backward: bool) -> fxflops.Program:
 def symbol_values(program: fxflops.Program, example: dict, dims: list[str]) -> dict[str, int]:
     """The example inputs' symbol values, overridden by ``--dim name=value``."""
     args, kwargs = tuple(example["args"]), example.get("kwargs") or {}
-    values = dict(zip(map(str, program.all_symbols), program.binder.values(args, kwargs)))
+    values = dict(zip(map(str, program.all_symbols), program.values(*args, **kwargs)))
     values = {name: int(v) for name, v in values.items()}
     valid = [str(s) for s in program.symbols]
     for item in dims:

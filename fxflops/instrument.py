@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
+from fxflops.capture.adapters import adapter_for
 from fxflops.capture.trace import capture
 from fxflops.errors import CaptureError, FxFlopsError, GuardError, InputError
 from fxflops.meter import Meter
@@ -67,6 +68,7 @@ class Instrumented(torch.nn.Module):
         self.on_miss = on_miss
         self.strict = strict
         self.max_programs = max_programs
+        self.adapter = adapter_for(model)
         self.programs: list[Program] = []
         self.flops = meter if meter is not None else Meter()
         self.captures = 0
@@ -93,6 +95,7 @@ class Instrumented(torch.nn.Module):
             return getattr(object.__getattribute__(self, "model"), name)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        args, kwargs = self._prepare(args, kwargs)
         out = self.model(*args, **kwargs)
         training = self.backward != "none" and torch.is_grad_enabled() and _requires_grad(out)
         try:
@@ -103,6 +106,17 @@ class Instrumented(torch.nn.Module):
             self.flops.uncounted += 1
             self._warn_once(str(exc))
         return out
+
+    def _prepare(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """The call with the metadata the model family derives added (``capture/adapters.py``): the
+        model runs it (and skips deriving it), the program binds it. A failure leaves the call as is."""
+        try:
+            return self.adapter.prepare(args, kwargs)
+        except Exception as exc:  # the model's own code will raise it again, or the count will fail open
+            if self.strict:
+                raise
+            self._warn_once(f"{type(self.model).__name__}: could not derive metadata: {type(exc).__name__}: {exc}")
+            return args, kwargs
 
     def _count(self, args: tuple, kwargs: dict, training: bool = False) -> None:
         miss = "no program captured yet"
@@ -140,11 +154,13 @@ class Instrumented(torch.nn.Module):
                     allow_pins=bool(self.programs),
                     per_segment=self.per_segment,
                     backward=self.backward == "traced",
+                    adapter=self.adapter,
                 )
         except CaptureError as exc:
             self._failed[key] = str(exc)  # do not re-trace the same shapes on every call
             raise
         program = Program.from_capture(captured, self.model, self.segments, self.strict_metadata, self.backward)
+        program.prepare = self.adapter.prepare
         self.flops.exclude_time(time.perf_counter() - started)  # capture time is not training time
         self.captures += 1
         self.programs.append(program)

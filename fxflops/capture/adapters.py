@@ -1,0 +1,50 @@
+"""Adapters: what a model family needs, beyond its own code, to be captured and bound.
+
+A plain PyTorch model needs nothing: :class:`Adapter` is the identity. A family whose forward derives
+metadata with Python loops over tensor values (Hugging Face VLMs compute M-RoPE positions and vision
+windows that way) gets an adapter that
+
+- ``prepare``: derives that metadata from the call itself, before the model runs, and passes it in the
+  keyword arguments the family's code reads instead of computing it (the model then skips its loops,
+  so the work is moved, not added);
+- ``dims``: names the call's dims (``batch``, ``seq``, ``patches``) when the user names none;
+- ``per_segment``: the modules to lift per segment (see ``capture/lifting.py``);
+- ``capturing``: a context held during the capture only (``capture/pieces.py``).
+
+:func:`adapter_for` picks it by the model's type; the family's module is imported only when the model
+is an instance of it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from typing import Any
+
+
+class Adapter:
+    """The identity adapter: the model is captured and bound from the call as given."""
+
+    per_segment: dict[str, str] = {}
+
+    def prepare(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """The call the model runs and the program binds: here the call itself."""
+        return args, kwargs
+
+    def dims(self, args: tuple, kwargs: dict) -> dict[str, dict[int, str]] | None:
+        """Names for the call's dims when the user gives none; ``None``: every dim ``<argument>_<dim>``."""
+        return None
+
+    def capturing(self) -> contextlib.AbstractContextManager:
+        """A context held while capturing."""
+        return contextlib.nullcontext()
+
+
+def adapter_for(model: Any) -> Adapter:
+    """The adapter for ``model``'s family (a Hugging Face ``PreTrainedModel``), else the identity."""
+    transformers = sys.modules.get("transformers")
+    if transformers is not None and isinstance(model, transformers.PreTrainedModel):
+        from fxflops.integrations.transformers import TransformersAdapter
+
+        return TransformersAdapter(model)
+    return Adapter()

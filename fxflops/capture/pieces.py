@@ -1,0 +1,129 @@
+"""Per-item pieces kept packed: ``torch.cat(torch.split(x, sizes.tolist()))`` traced without pinning
+the number of items.
+
+Vision-language models cut the packed output of their vision tower into one piece per image,
+``torch.split(features, (grid_thw.prod(-1) // 4).tolist())`` (Qwen2-VL and its successors) or
+``list(features)`` (LLaVA), and concatenate the pieces again before scattering them into the text
+embeddings. Splitting and concatenating move data and do no arithmetic, and
+
+    cat(split(x, [n₁, …, n_k]), dim=0) = x,   cat(unbind(x, 0), dim=0) = x.flatten(0, 1),
+
+but a symbolic trace cannot make a Python list of k pieces without fixing k, the number of images.
+
+:func:`packed_pieces` wraps named methods of a model (the *feature getters*) for the duration of a
+capture. Inside one of them, and only there:
+
+- ``tensor.tolist()`` of an integer tensor whose length is a free size symbol returns a
+  :class:`SymbolicSections` placeholder instead of a list of fixed length;
+- ``torch.split(x, sections)`` / ``x.split(sections)`` given that placeholder returns ``(x,)``: the
+  pieces, still packed, as one piece;
+- iterating over a tensor whose dim 0 is a free size symbol (``list(features)``) yields one piece
+  ``x.flatten(0, 1)`` (its ``len()`` raises ``TypeError``, so that ``list()`` iterates instead of
+  asking for a number).
+
+Any other use of the placeholder (indexing it, zipping it with per-image data) raises
+:class:`~fxflops.errors.CaptureError` naming the feature getter, so a model that needs the pieces one
+by one is refused rather than counted wrong. Nested captures (a lifted module's one-segment trace)
+see sizes that are numbers and are unaffected.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor
+
+from fxflops.errors import CaptureError
+
+
+class SymbolicSections:
+    """The per-item sizes of a ``.tolist()`` whose length is a free symbol; only ``split`` takes it."""
+
+    def __init__(self, tensor: torch.Tensor, getter: str) -> None:
+        self.tensor = tensor
+        self.getter = getter
+
+    def _refuse(self, *args: Any) -> Any:
+        raise CaptureError(
+            f"{self.getter} uses per-item sizes (a .tolist() over a symbolic number of items) other than "
+            "to torch.split a packed tensor; fxflops cannot trace it without fixing the number of items"
+        )
+
+    __iter__ = __len__ = __getitem__ = __bool__ = _refuse
+
+
+def _symbolic_length(tensor: torch.Tensor) -> bool:
+    """Dim 0 of ``tensor`` is a size expression with a free symbol (not a number)."""
+    return tensor.dim() >= 1 and isinstance(tensor.shape[0], torch.SymInt) and not tensor.shape[0].node.expr.is_number
+
+
+@contextlib.contextmanager
+def packed_pieces(owner: Any, getters: tuple[str, ...]) -> Iterator[None]:
+    """For the duration of a capture, run ``owner``'s methods named ``getters`` (those it has) with
+    per-item pieces kept packed (see the module docstring)."""
+    getters = tuple(name for name in getters if callable(getattr(owner, name, None)))
+    if not getters:
+        yield
+        return
+    inside: list[str] = []  # the feature getters being run, innermost last
+    tensor_tolist, fake_tolist = torch.Tensor.tolist, FakeTensor.tolist
+    split_function, split_method, tensor_iter, tensor_len = torch.split, torch.Tensor.split, torch.Tensor.__iter__, torch.Tensor.__len__
+
+    def sections_or(original: Any) -> Any:
+        def tolist(self: torch.Tensor) -> Any:
+            if inside and _symbolic_length(self) and not self.dtype.is_floating_point:
+                return SymbolicSections(self, inside[-1])
+            return original(self)
+
+        return tolist
+
+    def split(tensor: torch.Tensor, split_size_or_sections: Any, dim: int = 0) -> Any:
+        if isinstance(split_size_or_sections, SymbolicSections):
+            return (tensor,)
+        return split_function(tensor, split_size_or_sections, dim)
+
+    def split_method_(self: torch.Tensor, split_size: Any, dim: int = 0) -> Any:
+        if isinstance(split_size, SymbolicSections):
+            return (self,)
+        return split_method(self, split_size, dim)
+
+    def iterate(self: torch.Tensor) -> Iterator[torch.Tensor]:
+        if inside and self.dim() >= 2 and _symbolic_length(self):
+            return iter((self.flatten(0, 1),))
+        return tensor_iter(self)
+
+    def length(self: torch.Tensor) -> int:
+        if inside and self.dim() >= 2 and _symbolic_length(self):
+            # list(x) asks for a length first; TypeError makes it just iterate (one packed piece)
+            raise TypeError("the number of items is symbolic")
+        return tensor_len(self)
+
+    def wrap(name: str, method: Any) -> Any:
+        def getter(*args: Any, **kwargs: Any) -> Any:
+            inside.append(f"{type(owner).__name__}.{name}")
+            try:
+                return method(*args, **kwargs)
+            finally:
+                inside.pop()
+
+        return getter
+
+    own = {name: owner.__dict__[name] for name in getters if name in owner.__dict__}
+    for name in getters:
+        setattr(owner, name, wrap(name, getattr(owner, name)))
+    torch.Tensor.tolist, FakeTensor.tolist = sections_or(tensor_tolist), sections_or(fake_tolist)
+    torch.split, torch.Tensor.split, torch.Tensor.__iter__, torch.Tensor.__len__ = split, split_method_, iterate, length
+    try:
+        yield
+    finally:
+        torch.Tensor.tolist, FakeTensor.tolist = tensor_tolist, fake_tolist
+        torch.split, torch.Tensor.split, torch.Tensor.__iter__ = split_function, split_method, tensor_iter
+        torch.Tensor.__len__ = tensor_len
+        for name in getters:
+            if name in own:
+                setattr(owner, name, own[name])
+            else:
+                delattr(owner, name)

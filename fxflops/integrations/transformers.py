@@ -1,0 +1,160 @@
+"""Hugging Face ``transformers`` models: captured with no per-model code.
+
+``fxflops.instrument(model)`` and ``fxflops.trace(model, ...)`` use this adapter whenever ``model`` is a
+``transformers.PreTrainedModel``. It handles the data-dependent parts of vision-language models from
+what the model and transformers themselves declare, never from a list of model classes:
+
+- **Metadata derived from the batch** (:meth:`TransformersAdapter.prepare`). Vision towers build their
+  rotary positions, attention offsets and window indices from ``image_grid_thw`` with Python loops, and
+  M-RoPE models build ``position_ids`` with ``get_rope_index``. transformers lets a caller pass these
+  precomputed (``image_cu_seqlens``, ``image_position_ids``, ``image_cu_window_seqlens``, ...; see
+  ``transformers.vision_utils``) and keeps, for ``torch.export``, a registry that computes them for any
+  encoder that takes ``grid_thw`` (``transformers.exporters.utils.precompute_export_inputs``). The
+  adapter runs that registry on the model's vision encoder, and the model's own ``get_rope_index``,
+  on the real batch before every call. The model then skips its loops (the work is moved, not
+  added), and the captured program binds the offsets as segment families.
+- **Per-segment modules**: the innermost modules whose ``forward`` takes ``cu_seqlens`` (eager and sdpa
+  vision attention loop over ``torch.split(q, lengths.tolist())``) are lifted (``capture/lifting.py``),
+  billed Σₖ cₖ·pₖ over the offsets' segment power sums.
+- **Per-image pieces** of ``get_image_features``/``get_video_features`` stay packed while capturing
+  (``capture/pieces.py``), so the number of images is never fixed by the capture.
+- **Dims** are named ``batch``, ``seq``, ``patches``/``video_patches`` (packed vision inputs) or
+  ``images``, ``height``, ``width`` (batched pixel inputs); the values per packed patch are static; any other dim is
+  ``<argument>_<dim>``, free unless the model fixes it.
+
+A family that derives metadata some other way gets the usual capture error naming the model line that
+could not be traced (and with ``instrument``, an uncounted call and one warning), never a wrong count.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from fxflops.capture.adapters import Adapter
+from fxflops.capture.inputs import bind_call, path_label, tensor_leaves
+from fxflops.capture.pieces import packed_pieces
+from fxflops.errors import CaptureError
+
+FEATURE_GETTERS = ("get_image_features", "get_video_features")
+GRIDS = {"image": "image_grid_thw", "video": "video_grid_thw"}  # modality -> its grid argument
+TEXT_ARGUMENTS = ("input_ids", "attention_mask", "labels", "token_type_ids", "mm_token_type_ids", "inputs_embeds")
+PIXEL_ARGUMENTS = {"pixel_values": "patches", "pixel_values_videos": "video_patches"}
+OFFSETS = "cu_seqlens"
+
+
+def lifted_modules(model: torch.nn.Module) -> dict[str, str]:
+    """``{module path pattern: "cu_seqlens"}`` for the innermost modules whose forward takes
+    ``cu_seqlens`` (layer indices become ``*``)."""
+    takes = [path for path, m in model.named_modules() if path and OFFSETS in _parameters(m.forward)]
+    innermost = [p for p in takes if not any(q.startswith(p + ".") for q in takes)]
+    return {re.sub(r"\.\d+(?=\.|$)", ".*", path): OFFSETS for path in innermost}
+
+
+def _parameters(function: Any) -> set[str]:
+    try:
+        return set(inspect.signature(function).parameters)
+    except (TypeError, ValueError):
+        return set()
+
+
+def _vision_encoder(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The shallowest submodule whose forward takes ``grid_thw`` (the packed-patch vision tower)."""
+    return next((m for _, m in model.named_modules() if "grid_thw" in _parameters(m.forward)), None)
+
+
+def _rope_owner(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The (sub)module defining ``get_rope_index`` (M-RoPE position ids), if any."""
+    return next((m for m in model.modules() if callable(getattr(m, "get_rope_index", None))), None)
+
+
+class TransformersAdapter(Adapter):
+    """The adapter for a ``transformers.PreTrainedModel`` (see the module docstring)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.per_segment = lifted_modules(model)
+        self.encoder = _vision_encoder(model)
+        self.rope = _rope_owner(model)
+        self.derived: set[str] = set()  # the keyword arguments prepare() adds
+        self.getter_owners = [m for m in model.modules() if any(callable(getattr(m, g, None)) for g in FEATURE_GETTERS)]
+
+    def prepare(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """Add the metadata the model would derive with loops (see the module docstring)."""
+        call = bind_call(self.model.forward, args, kwargs)
+        extras: dict[str, Any] = {}
+        for modality, grid_name in GRIDS.items():
+            grid = call.get(grid_name)
+            if grid is None or self.encoder is None or f"{modality}_{OFFSETS}" in call:
+                continue
+            derived: dict[str, Any] = {"grid_thw": grid}
+            _precompute_encoder_inputs(self.encoder, derived)
+            extras.update({f"{modality}_{k}": v for k, v in derived.items() if k != "grid_thw" and v is not None})
+        self.derived.update(extras)
+        if self.rope is not None and call.get("position_ids") is None and any(call.get(g) is not None for g in GRIDS.values()):
+            wanted = _parameters(self.rope.get_rope_index)
+            position_ids, _ = self.rope.get_rope_index(**{k: v for k, v in call.items() if k in wanted and v is not None})
+            extras["position_ids"] = position_ids
+        return (args, {**kwargs, **extras}) if extras else (args, kwargs)
+
+    def dims(self, args: tuple, kwargs: dict) -> dict[str, dict[int, str]]:
+        """Every tensor dim of the call named: batch/seq on text inputs, patches on packed pixels,
+        images on batched pixels, ``<argument>_<dim>`` elsewhere. Of the derived metadata only dim 0
+        varies: the modality's patches when it runs along them (rotary positions, interpolation
+        taps), else its own symbol (offsets, window indices)."""
+        call = bind_call(self.model.forward, args, kwargs)
+        named: dict[str, dict[int, str]] = {}
+        for path, tensor in tensor_leaves(call).items():
+            label = path_label(path)
+            if path[0] in self.derived:
+                modality = path[0].split("_")[0]
+                pixels = call.get("pixel_values" if modality == "image" else "pixel_values_videos")
+                along = pixels is not None and pixels.dim() == 2 and tensor.dim() and tensor.shape[0] == pixels.shape[0]
+                named[label] = {0: PIXEL_ARGUMENTS["pixel_values" if modality == "image" else "pixel_values_videos"] if along else f"{label}_0"}
+                continue
+            names = {d: f"{label}_{d}" for d in range(tensor.dim())}
+            names.update(_known_dims(label, tensor.dim()))
+            if label in PIXEL_ARGUMENTS and tensor.dim() == 2:
+                del names[1]  # values per patch (channels x temporal x patch²): fixed by the config
+            named[label] = names
+        return named
+
+    @contextlib.contextmanager
+    def capturing(self) -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            for owner in self.getter_owners:
+                stack.enter_context(packed_pieces(owner, FEATURE_GETTERS))
+            yield
+
+
+def _known_dims(label: str, rank: int) -> dict[int, str]:
+    """Readable names for the dims of the arguments every VLM family shares."""
+    if label in TEXT_ARGUMENTS and rank >= 2:
+        return {0: "batch", 1: "seq"}
+    if label == "position_ids":
+        return {0: "batch", 1: "seq"} if rank == 2 else {1: "batch", 2: "seq"} if rank == 3 else {}
+    for pixels, name in PIXEL_ARGUMENTS.items():
+        if label == pixels and rank == 2:
+            return {0: name}
+        if label == pixels and rank == 4:
+            return {0: "images" if pixels == "pixel_values" else "videos", 2: "height", 3: "width"}
+    return {}
+
+
+def _precompute_encoder_inputs(encoder: torch.nn.Module, inputs: dict[str, Any]) -> None:
+    """transformers' own precomputation of a ``grid_thw`` encoder's loop-built inputs, in place."""
+    try:
+        from transformers.exporters.utils import precompute_export_inputs
+    except ImportError as exc:  # transformers < 5.x has no registry of precomputable vision inputs
+        raise CaptureError(
+            f"{type(encoder).__name__} builds its vision metadata with Python loops, and this transformers "
+            "version has no transformers.exporters.utils.precompute_export_inputs to derive it from the batch "
+            "(transformers >= 5 has)"
+        ) from exc
+    with torch.no_grad():
+        precompute_export_inputs(encoder, inputs)
