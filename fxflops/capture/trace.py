@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import contextlib
 import traceback
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import sympy
 import torch
 import torch.fx.experimental._config as fx_config
+import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch._dynamo.source import ConstantSource
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -153,31 +154,44 @@ def _no_stack_traces() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _contiguous_copies() -> Iterator[None]:
-    """``Tensor.contiguous()`` as an unconditional contiguous copy while tracing.
+def _layout_oblivious() -> Iterator[None]:
+    """Memory-layout questions answered without guards on the size symbols, while tracing.
 
-    Whether a strided view is already contiguous depends on its sizes (``labels[..., 1:]`` is
-    contiguous only when the batch is 1), so the real method would make that answer a guard on the
-    size symbols; either answer moves data and does no arithmetic, so copying always gives the same
-    values and the same FLOPs without the guard. (HF's causal-LM loss does this on every call.)
+    Whether a strided view is contiguous, or overlaps itself, depends on its sizes (``x[:, 1:]`` is
+    contiguous only when ``x.shape[0]`` is 1), so torch's answer becomes a guard such as
+    ``images != 1`` — a condition no FLOPs depend on, which would cost a second capture when one image
+    comes. While tracing:
+
+    - ``Tensor.contiguous()`` always makes a contiguous copy (either answer moves data and does no
+      arithmetic; HF's causal-LM loss calls it on every step);
+    - ``F.linear`` gets a contiguous input (its kernel asks whether the input is contiguous to fold the
+      batch dims into one ``addmm`` or run ``matmul``: the same multiply-adds);
+    - the self-overlap check of in-place writes (``copy_``'s meta function; Qwen3-VL's M-RoPE) answers
+      "no overlap": the model runs in eager, where a real overlap would already have raised.
+
+    Conditions that can change which arithmetic runs (einsum's size-1 fast path, a model's own
+    ``if x.shape[0] == 1``) still become guards, and a call on the other side gets its own program.
     """
-    original = torch.Tensor.contiguous
+    contiguous_method, overlap_check, linear = torch.Tensor.contiguous, torch._debug_has_internal_overlap, F.linear
 
     def contiguous(self: torch.Tensor, memory_format: torch.memory_format = torch.contiguous_format) -> torch.Tensor:
         return self.clone(memory_format=memory_format)
 
-    torch.Tensor.contiguous = contiguous
+    def contiguous_linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return linear(input.clone(memory_format=torch.contiguous_format), weight, bias)
+
+    torch.Tensor.contiguous, torch._debug_has_internal_overlap, F.linear = contiguous, lambda tensor: 0, contiguous_linear
     try:
         yield
     finally:
-        torch.Tensor.contiguous = original
+        torch.Tensor.contiguous, torch._debug_has_internal_overlap, F.linear = contiguous_method, overlap_check, linear
 
 
 def trace_graph(
     model: torch.nn.Module, mode: FakeTensorMode, args: tuple, kwargs: dict, backward: bool = False
 ) -> torch.fx.GraphModule:
     """``make_fx`` of ``model(*args, **kwargs)`` whose tensors are fakes of ``mode``; with
-    ``backward``, also of the backward from its outputs (see ``capture/phases.py``).
+    ``backward``, also of the backward from its loss or outputs (``_backward_roots``; ``capture/phases.py``).
 
     Parameters and buffers enter as static-shaped fake placeholders, swapped in with
     ``functional_call``: the model's real state is never read for compute nor mutated (e.g.
@@ -206,14 +220,13 @@ def trace_graph(
         structure.extend([spec, [TENSOR if isinstance(x, torch.Tensor) else x for x in out_leaves]])
         outputs = [x for x in out_leaves if isinstance(x, torch.Tensor)]
         if backward:
-            floating = [x for x in outputs if x.dtype.is_floating_point]
-            return outputs + run_backward(floating, list(flat))
+            return outputs + run_backward(_backward_roots(out, outputs), list(flat))
         return outputs
 
     run._orig_mod = model  # make_fx records nn_module_stack relative to this root
     try:
         phases = tagging_recompute() if backward else contextlib.nullcontext()
-        with fx_config.patch(backed_size_oblivious=True), _no_stack_traces(), _contiguous_copies(), phases, mode:
+        with fx_config.patch(backed_size_oblivious=True), _no_stack_traces(), _layout_oblivious(), phases, mode:
             gm = make_fx(
                 run, tracing_mode="symbolic", _allow_non_fake_inputs=True, record_module_stack=True
             )(*(leaves[i] for i in slots), *fake_state)
@@ -233,6 +246,17 @@ def trace_graph(
             f"could not trace {type(model).__name__} symbolically at {_model_line(exc)}: "
             f"{type(exc).__name__}: {str(exc).splitlines()[0]}{hint}"
         ) from exc
+
+
+def _backward_roots(out: Any, outputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """What training differentiates: the ``loss`` of an output that has one (a Hugging Face
+    ``ModelOutput``, a dict), as ``out.loss.backward()`` does; else every floating-point output
+    (``loss = sum of the outputs``). Other outputs of a model with a loss (LLaVA returns the vision
+    tower's last hidden state, which its projector does not read) get no gradient in training."""
+    loss = out.get("loss") if isinstance(out, Mapping) else None
+    if isinstance(loss, torch.Tensor) and loss.dtype.is_floating_point:
+        return [loss]
+    return [x for x in outputs if x.dtype.is_floating_point]
 
 
 def _model_line(exc: BaseException) -> str:

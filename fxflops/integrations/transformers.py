@@ -39,7 +39,7 @@ import torch
 from fxflops.capture.adapters import Adapter
 from fxflops.capture.inputs import bind_call, path_label, tensor_leaves
 from fxflops.capture.pieces import packed_pieces
-from fxflops.errors import CaptureError
+from fxflops.errors import CaptureError, MetadataError
 
 FEATURE_GETTERS = ("get_image_features", "get_video_features")
 GRIDS = {"image": "image_grid_thw", "video": "video_grid_thw"}  # modality -> its grid argument
@@ -85,21 +85,33 @@ class TransformersAdapter(Adapter):
         self.getter_owners = [m for m in model.modules() if any(callable(getattr(m, g, None)) for g in FEATURE_GETTERS)]
 
     def prepare(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        """Add the metadata the model would derive with loops (see the module docstring)."""
+        """Add the metadata the model would derive with loops (see the module docstring). Metadata
+        that cannot be derived (a grid that does not match the image tokens) raises
+        :class:`~fxflops.errors.MetadataError` naming the inputs."""
         call = bind_call(self.model.forward, args, kwargs)
         extras: dict[str, Any] = {}
         for modality, grid_name in GRIDS.items():
             grid = call.get(grid_name)
-            if grid is None or self.encoder is None or f"{modality}_{OFFSETS}" in call:
+            if grid is None or self.encoder is None:
                 continue
+            pixels = call.get("pixel_values" if modality == "image" else "pixel_values_videos")
+            if pixels is not None and pixels.dim() == 2 and int(grid.prod(-1).sum()) != pixels.shape[0]:
+                raise MetadataError(
+                    f"{grid_name} describes {int(grid.prod(-1).sum())} patches (the sum of t·h·w), but "
+                    f"{'pixel_values' if modality == 'image' else 'pixel_values_videos'} has {pixels.shape[0]} rows"
+                )
             derived: dict[str, Any] = {"grid_thw": grid}
-            _precompute_encoder_inputs(self.encoder, derived)
-            extras.update({f"{modality}_{k}": v for k, v in derived.items() if k != "grid_thw" and v is not None})
-        self.derived.update(extras)
+            with _naming(f"{type(self.encoder).__name__}'s vision metadata", [grid_name]):
+                _precompute_encoder_inputs(self.encoder, derived)
+            for key, value in derived.items():  # what the caller passed precomputed is kept
+                if key != "grid_thw" and value is not None and f"{modality}_{key}" not in call:
+                    extras[f"{modality}_{key}"] = value
         if self.rope is not None and call.get("position_ids") is None and any(call.get(g) is not None for g in GRIDS.values()):
             wanted = _parameters(self.rope.get_rope_index)
-            position_ids, _ = self.rope.get_rope_index(**{k: v for k, v in call.items() if k in wanted and v is not None})
-            extras["position_ids"] = position_ids
+            given = {k: v for k, v in call.items() if k in wanted and v is not None}
+            with _naming(f"{type(self.rope).__name__}.get_rope_index", sorted(given)):
+                extras["position_ids"], _ = self.rope.get_rope_index(**given)
+        self.derived.update(extras)
         return (args, {**kwargs, **extras}) if extras else (args, kwargs)
 
     def dims(self, args: tuple, kwargs: dict) -> dict[str, dict[int, str]]:
@@ -111,8 +123,8 @@ class TransformersAdapter(Adapter):
         named: dict[str, dict[int, str]] = {}
         for path, tensor in tensor_leaves(call).items():
             label = path_label(path)
-            if path[0] in self.derived:
-                modality = path[0].split("_")[0]
+            modality = str(path[0]).split("_")[0]
+            if path[0] in self.derived and modality in GRIDS:
                 pixels = call.get("pixel_values" if modality == "image" else "pixel_values_videos")
                 along = pixels is not None and pixels.dim() == 2 and tensor.dim() and tensor.shape[0] == pixels.shape[0]
                 named[label] = {0: PIXEL_ARGUMENTS["pixel_values" if modality == "image" else "pixel_values_videos"] if along else f"{label}_0"}
@@ -130,6 +142,20 @@ class TransformersAdapter(Adapter):
             for owner in self.getter_owners:
                 stack.enter_context(packed_pieces(owner, FEATURE_GETTERS))
             yield
+
+
+@contextlib.contextmanager
+def _naming(what: str, inputs: list[str]) -> Iterator[None]:
+    """Turn a failure of the model's own metadata code into a MetadataError naming its inputs."""
+    try:
+        yield
+    except CaptureError:
+        raise
+    except Exception as exc:
+        raise MetadataError(
+            f"{what} could not be derived from {', '.join(inputs)}: {type(exc).__name__}: {exc} "
+            "(do the grids match the image/video tokens and pixel rows of the batch?)"
+        ) from exc
 
 
 def _known_dims(label: str, rank: int) -> dict[int, str]:

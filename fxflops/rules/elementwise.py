@@ -12,7 +12,8 @@ These are documented conventions, not instruction counts (a transcendental costs
 * embedding gathers (kind ``"embedding"``, counted only with ``embeddings=True``): 1 per gathered
   element; the embedding backward 1 per gradient element (a scatter-add).
 
-Ops that only move or index data stay at 0 (``not_counted.py``).
+Ops that only move or index data stay at 0 (``not_counted.py``), also the ones ATen tags pointwise
+(``clone``, ``_to_copy``, ``copy_``, ``fill``, ``masked_fill``: :data:`MOVES_DATA`).
 """
 
 from __future__ import annotations
@@ -35,11 +36,18 @@ def numel(shape) -> Any:
     return total
 
 
+MOVES_DATA = frozenset(
+    "clone _to_copy copy copy_ fill fill_ masked_fill masked_fill_ zero_ lift_fresh_copy alias detach".split()
+)  # tagged pointwise by ATen, but they copy, cast or fill: no arithmetic
+
+
 def elementwise_flops(op: Any, node: torch.fx.Node, named: Any) -> sympy.Expr | None:
     """Cost of a pointwise (1 per output element) or reduction (1 per input element) op without a
-    registered rule, or ``None`` for any other op."""
+    registered rule (0 for one that only moves data), or ``None`` for any other op."""
     if not isinstance(op, torch._ops.OpOverload):
         return None
+    if op._schema.name.split("::")[-1] in MOVES_DATA:
+        return sympy.Integer(0)
     if torch.Tag.pointwise in op.tags:
         out = node.meta.get("val")
         return sympy.sympify(numel(named(d) for d in out.shape)) if isinstance(out, torch.Tensor) else sympy.Integer(0)

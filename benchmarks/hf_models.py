@@ -1,0 +1,97 @@
+"""Hugging Face VLMs, zero-config: capture time by depth and counting cost per microbatch.
+
+Run: ``python benchmarks/hf_models.py`` (``--families qwen2_vl llava_clip``, ``--depths 2 24``).
+For each tiny family of ``fxflops/models/hf_zoo.py`` (sdpa attention):
+
+- capture time of ``fxflops.instrument(model, backward=True)``'s first call (the joint forward +
+  backward trace) with 2 and 24 text layers and as many vision layers; per layer = over all layers
+  (text + vision). Target (issue 5): <= 0.15 s per layer.
+- per microbatch, medians of interleaved rounds over random batches: fxflops counting (bind the
+  shapes and offsets, check guards, accumulate: ``wrapper._count`` on the prepared call; target
+  <= 50 us), the adapter's derivation of the metadata (M-RoPE positions, vision offsets and
+  positions, which the model then skips: moved, not added), the model's forward as the user calls it
+  and with the derived metadata passed in, and the forward under FlopCounterMode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+import warnings
+
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+import fxflops
+from fxflops.models import hf_zoo
+
+
+def _seconds(fn, repeat: int = 1) -> float:
+    start = time.perf_counter()
+    for _ in range(repeat):
+        fn()
+    return (time.perf_counter() - start) / repeat
+
+
+def capture_seconds(family: str, depth: int) -> tuple[float, int]:
+    """Seconds of the first (capturing) call at ``depth`` text and vision layers, and the layers."""
+    model = hf_zoo.build(family, "sdpa", text_layers=depth, vision_layers=depth)
+    wrapper = fxflops.instrument(model, backward=True, strict=True)
+    batch = hf_zoo.random_batch(family, random.Random(0), videos=0)
+    start = time.perf_counter()
+    wrapper._count(*wrapper.adapter.prepare((), batch), training=True)
+    return time.perf_counter() - start, 2 * depth
+
+
+def counting_cost(family: str, rounds: int, n_batches: int) -> dict[str, float]:
+    model = hf_zoo.build(family, "sdpa")
+    wrapper = fxflops.instrument(model, strict=True)
+    rng = random.Random(1)
+    batches = [hf_zoo.random_batch(family, rng) for _ in range(n_batches)]
+    samples: dict[str, list[float]] = {k: [] for k in ("count", "derive", "plain", "with_metadata", "flopcounter")}
+    with torch.no_grad():
+        wrapper(**batches[0])  # capture
+        for r in range(rounds):
+            batch = batches[r % n_batches]
+            args, kwargs = wrapper.adapter.prepare((), batch)
+            samples["count"].append(_seconds(lambda: wrapper._count(args, kwargs), repeat=200))
+            samples["derive"].append(_seconds(lambda: wrapper.adapter.prepare((), batch), repeat=5))
+            samples["plain"].append(_seconds(lambda: model(**batch)))
+            samples["with_metadata"].append(_seconds(lambda: model(*args, **kwargs)))
+
+            def under_flopcounter() -> None:
+                with FlopCounterMode(display=False):
+                    model(**batch)
+
+            samples["flopcounter"].append(_seconds(under_flopcounter))
+    assert wrapper.captures == 1, "one program serves every batch"
+    return {k: statistics.median(v) for k, v in samples.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--families", nargs="*", default=list(hf_zoo.FAMILIES))
+    parser.add_argument("--depths", type=int, nargs="*", default=[2, 24])
+    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--batches", type=int, default=8)
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore")
+    us = 1e6
+    print(f"torch {torch.__version__}, CPU, sdpa attention, tiny configs (hidden 64), random weights")
+    for family in args.families:
+        print(f"\n{family}")
+        for depth in args.depths:
+            seconds, layers = capture_seconds(family, depth)
+            print(f"  capture fwd+bwd, {depth}+{depth} layers      {seconds:8.2f} s   {seconds / layers:6.3f} s/layer  (target <= 0.15)")
+        med = counting_cost(family, args.rounds, args.batches)
+        added = med["flopcounter"] - med["plain"]
+        print(f"  fxflops counting per microbatch        {med['count'] * us:8.1f} us  (target <= 50 us)")
+        print(f"  metadata derivation (moved from model)  {med['derive'] * us:8.1f} us")
+        print(f"  forward as called / with metadata       {med['plain'] * us:8.0f} us / {med['with_metadata'] * us:.0f} us")
+        print(f"  forward under FlopCounterMode           {med['flopcounter'] * us:8.0f} us  (+{added * us:.0f} us, {added / med['count']:,.0f}x fxflops)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,196 @@
+"""Hugging Face VLMs with zero configuration: ``fxflops.instrument(model, backward=True)`` on tiny
+random-weight transformers models (``fxflops/models/hf_zoo.py``), over random microbatches.
+
+Reference, per microbatch: FlopCounterMode on the same batch through the same family built with
+``attn_implementation="eager"`` (attention as explicit matmuls, which FlopCounterMode counts), once
+forward-only and once forward + ``loss.backward()``, total and per top-level module. fxflops' numbers
+are its forward phase and its model FLOPs (fwd + bwd phases): with sdpa, the fused backward also
+recomputes Q·Kᵀ, which fxflops bills to the recompute phase and eager attention never does.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.utils._pytree as pytree
+from torch.utils.flop_counter import FlopCounterMode
+
+import fxflops
+from fxflops.conventions import FLOPCOUNTER
+from fxflops.models import hf_zoo
+
+pytest.importorskip("transformers")
+
+MODEL_FLOPS = FLOPCOUNTER.but(name="fwd+bwd", recompute=False)
+BATCHES = 30
+
+
+def flop_counter_modules(model: torch.nn.Module, batch: dict, backward: bool) -> dict[str, int]:
+    """FlopCounterMode's FLOPs per module path ("" = the whole model) for one forward (+ backward of
+    the loss) of ``model`` on ``batch``. Per module, trust it for the forward only: its backward
+    attribution is a heuristic that here even gives ``model`` less than its child ``model.language_model``
+    (see :func:`replayed_training_counts`)."""
+    model.train(backward)
+    with torch.set_grad_enabled(backward), FlopCounterMode(display=False) as counter:
+        out = model(**batch, use_cache=False)
+        if backward:
+            out.loss.backward()
+    root = type(model).__name__
+    counts = {"": counter.get_total_flops()}
+    for name, per_op in counter.get_flop_counts().items():
+        if name.startswith(root + "."):
+            counts[name[len(root) + 1 :]] = sum(per_op.values())
+    return counts
+
+
+def _clone_leaf(value):
+    if torch.is_tensor(value):
+        return value.detach().clone().requires_grad_(value.requires_grad)
+    return value
+
+
+def replayed_training_counts(model: torch.nn.Module, batch: dict, paths: list[str]) -> dict[str, int]:
+    """Forward + backward FLOPs of each module in ``paths``, each measured on its own: every call of
+    it in a real forward + ``loss.backward()`` is recorded (inputs, and which outputs received a
+    gradient), then replayed alone under FlopCounterMode with a backward from exactly those outputs."""
+    calls = []
+
+    def record(module, call_args, call_kwargs, output):
+        outputs = [t for t in pytree.tree_leaves(output) if torch.is_tensor(t)]
+        got_grad = [False] * len(outputs)
+        for i, t in enumerate(outputs):
+            if t.requires_grad:
+                t.register_hook(lambda grad, i=i: got_grad.__setitem__(i, True))
+        calls.append((names[module], module, pytree.tree_map(_clone_leaf, (call_args, call_kwargs)), got_grad))
+
+    names = {model.get_submodule(path): path for path in paths}
+    handles = [m.register_forward_hook(record, with_kwargs=True) for m in names]
+    model.train()
+    try:
+        model(**batch, use_cache=False).loss.backward()
+    finally:
+        for handle in handles:
+            handle.remove()
+    counts: dict[str, int] = {}
+    for path, module, (call_args, call_kwargs), got_grad in calls:
+        with FlopCounterMode(display=False) as counter:
+            outputs = [t for t in pytree.tree_leaves(module(*call_args, **call_kwargs)) if torch.is_tensor(t)]
+            roots = [t for t, g in zip(outputs, got_grad) if g and t.requires_grad]
+            if roots:
+                torch.autograd.backward(roots, [torch.ones_like(t) for t in roots])
+        counts[path] = counts.get(path, 0) + counter.get_total_flops()
+    return counts
+
+
+def top_level(model: torch.nn.Module) -> list[str]:
+    """The vision tower, projector/merger, language model and head of a VLM: the children of its
+    base model, the head, and any merger inside the tower."""
+    base = [f"model.{name}" for name, _ in model.model.named_children()]
+    mergers = [path for path, _ in model.named_modules() if path.count(".") == 2 and path.endswith("merger")]
+    return base + mergers + ["lm_head"]
+
+
+def media_counts(family: str, rng: random.Random) -> dict[str, int]:
+    """Images 1-6; families with video get 1-2 videos in every batch (one call layout, one capture)."""
+    return dict(images=rng.randint(1, 6), videos=rng.randint(1, 2) if hf_zoo.FAMILIES[family].videos else 0)
+
+
+@pytest.fixture(scope="module")
+def references():
+    return {}
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("family", list(hf_zoo.FAMILIES))
+def test_zero_config_counts_equal_flop_counter_per_module(family, attn, references):
+    if family not in references:
+        references[family] = hf_zoo.build(family, "eager")
+    reference = references[family]
+    wrapper = fxflops.instrument(hf_zoo.build(family, attn), backward=True, strict=True)
+    modules = top_level(reference)
+    rng = random.Random(f"{family}-{attn}")
+    for i in range(BATCHES):
+        batch = hf_zoo.random_batch(family, rng, **media_counts(family, rng))
+        forward = flop_counter_modules(reference, batch, backward=False)
+        training = replayed_training_counts(reference, batch, modules)
+        training[""] = flop_counter_modules(reference, batch, backward=True)[""]
+        wrapper.flops.reset()
+        wrapper(**batch).loss.backward()
+        got_forward = wrapper.flops.breakdown(phase="fwd")
+        got_training = wrapper.flops.breakdown(convention=MODEL_FLOPS)
+        for path in ["", *modules]:
+            where = (family, attn, i, path or "<model>")
+            assert got_forward.get(path, 0) == forward.get(path, 0), where
+            assert got_training.get(path, 0) == training.get(path, 0), where
+        assert training[""] > 2 * forward[""] > 0
+    assert wrapper.captures == 1 and wrapper.flops.uncounted == 0
+    assert not wrapper.program.unsupported
+
+
+@pytest.fixture(scope="module")
+def qwen2_vl():
+    model = hf_zoo.build("qwen2_vl", "eager")
+    batch = hf_zoo.random_batch("qwen2_vl", random.Random(0), images=2, videos=1)
+    return model, batch, fxflops.trace(model, kwargs=batch)
+
+
+def test_formula_names_the_batch_sizes_and_segment_power_sums(qwen2_vl):
+    _, _, program = qwen2_vl
+    names = set(map(str, program.symbols))
+    assert {"batch", "seq", "patches", "video_patches", "image_cu_seqlens_p2", "video_cu_seqlens_p2"} <= names
+    assert not any("grid" in name for name in names)  # the number of images is never a symbol
+    vision = program.formula("model.visual")
+    assert vision.free_symbols and all("seq" != str(s) for s in vision.free_symbols)
+
+
+def test_one_capture_serves_one_to_six_images(qwen2_vl):
+    model, _, program = qwen2_vl
+    rng = random.Random(1)
+    for images in (1, 6):
+        batch = hf_zoo.random_batch("qwen2_vl", rng, images=images, videos=1)
+        assert batch["image_grid_thw"].shape[0] == images
+        assert program.count(**batch) == flop_counter_modules(model, batch, backward=False)[""]
+
+
+def test_malformed_grids_are_errors_naming_the_input(qwen2_vl):
+    _, batch, program = qwen2_vl
+    taller = dict(batch, image_grid_thw=batch["image_grid_thw"] * torch.tensor([1, 2, 1]))  # not the tokens
+    with pytest.raises(fxflops.MetadataError, match="image_grid_thw"):
+        program.count(**taller)
+    fewer_rows = dict(batch, pixel_values=batch["pixel_values"][:-4])  # the grid covers more patches
+    with pytest.raises(fxflops.MetadataError, match="image_grid_thw describes .* but pixel_values has"):
+        program.count(**fewer_rows)
+    offsets = program.prepare((), batch)[1]["image_cu_seqlens"].clone()
+    offsets[-1] += 4  # precomputed offsets that overrun the patches
+    with pytest.raises(fxflops.MetadataError, match="image_cu_seqlens"):
+        program.count(**batch, image_cu_seqlens=offsets)
+
+
+def test_a_new_call_layout_is_recaptured_or_refused():
+    """A text-only microbatch (no pixels) after image batches: a second program, counted exactly; with
+    ``on_miss="raise"`` the call is refused with the missing inputs named."""
+    model = hf_zoo.build("qwen2_vl", "eager")
+    rng = random.Random(2)
+    images = hf_zoo.random_batch("qwen2_vl", rng, images=2)
+    text = {k: images[k] for k in ("input_ids", "attention_mask", "labels")}
+    text["input_ids"] = text["input_ids"].masked_fill(text["input_ids"] >= hf_zoo.IMAGE, 7)
+    wrapper = fxflops.instrument(model)
+    with torch.no_grad():
+        wrapper(**images)
+        wrapper.flops.reset()
+        wrapper(**text)
+    assert wrapper.captures == 2 and wrapper.flops.total() == flop_counter_modules(model, text, backward=False)[""]
+    strict = fxflops.instrument(model, on_miss="raise", strict=True)
+    with torch.no_grad():
+        strict(**images)
+        with pytest.raises(fxflops.FxFlopsError, match="pixel_values"):
+            strict(**text)
+
+
+def test_plain_models_get_no_adapter():
+    from fxflops.capture.adapters import Adapter, adapter_for
+    from fxflops.models.tiny_gpt import GPTConfig, TinyGPT
+
+    assert type(adapter_for(TinyGPT(GPTConfig()))) is Adapter
