@@ -14,74 +14,16 @@ import random
 
 import pytest
 import torch
-import torch.utils._pytree as pytree
-from torch.utils.flop_counter import FlopCounterMode
 
 import fxflops
 from fxflops.conventions import FLOPCOUNTER
 from fxflops.models import hf_zoo
+from reference import flop_counter_modules, replayed_training_counts
 
 pytest.importorskip("transformers")
 
 MODEL_FLOPS = FLOPCOUNTER.but(name="fwd+bwd", recompute=False)
 BATCHES = 30
-
-
-def flop_counter_modules(model: torch.nn.Module, batch: dict, backward: bool) -> dict[str, int]:
-    """FlopCounterMode's FLOPs per module path ("" = the whole model) for one forward (+ backward of
-    the loss) of ``model`` on ``batch``. Per module, trust it for the forward only: its backward
-    attribution is a heuristic that here even gives ``model`` less than its child ``model.language_model``
-    (see :func:`replayed_training_counts`)."""
-    model.train(backward)
-    with torch.set_grad_enabled(backward), FlopCounterMode(display=False) as counter:
-        out = model(**batch, use_cache=False)
-        if backward:
-            out.loss.backward()
-    root = type(model).__name__
-    counts = {"": counter.get_total_flops()}
-    for name, per_op in counter.get_flop_counts().items():
-        if name.startswith(root + "."):
-            counts[name[len(root) + 1 :]] = sum(per_op.values())
-    return counts
-
-
-def _clone_leaf(value):
-    if torch.is_tensor(value):
-        return value.detach().clone().requires_grad_(value.requires_grad)
-    return value
-
-
-def replayed_training_counts(model: torch.nn.Module, batch: dict, paths: list[str]) -> dict[str, int]:
-    """Forward + backward FLOPs of each module in ``paths``, each measured on its own: every call of
-    it in a real forward + ``loss.backward()`` is recorded (inputs, and which outputs received a
-    gradient), then replayed alone under FlopCounterMode with a backward from exactly those outputs."""
-    calls = []
-
-    def record(module, call_args, call_kwargs, output):
-        outputs = [t for t in pytree.tree_leaves(output) if torch.is_tensor(t)]
-        got_grad = [False] * len(outputs)
-        for i, t in enumerate(outputs):
-            if t.requires_grad:
-                t.register_hook(lambda grad, i=i: got_grad.__setitem__(i, True))
-        calls.append((names[module], module, pytree.tree_map(_clone_leaf, (call_args, call_kwargs)), got_grad))
-
-    names = {model.get_submodule(path): path for path in paths}
-    handles = [m.register_forward_hook(record, with_kwargs=True) for m in names]
-    model.train()
-    try:
-        model(**batch, use_cache=False).loss.backward()
-    finally:
-        for handle in handles:
-            handle.remove()
-    counts: dict[str, int] = {}
-    for path, module, (call_args, call_kwargs), got_grad in calls:
-        with FlopCounterMode(display=False) as counter:
-            outputs = [t for t in pytree.tree_leaves(module(*call_args, **call_kwargs)) if torch.is_tensor(t)]
-            roots = [t for t, g in zip(outputs, got_grad) if g and t.requires_grad]
-            if roots:
-                torch.autograd.backward(roots, [torch.ones_like(t) for t in roots])
-        counts[path] = counts.get(path, 0) + counter.get_total_flops()
-    return counts
 
 
 def top_level(model: torch.nn.Module) -> list[str]:

@@ -18,6 +18,8 @@ what the model and transformers themselves declare, never from a list of model c
   billed Σₖ cₖ·pₖ over the offsets' segment power sums.
 - **Per-image pieces** of ``get_image_features``/``get_video_features`` stay packed while capturing
   (``capture/pieces.py``), so the number of images is never fixed by the capture.
+- **Mixture-of-experts layers** are traced through transformers' ``batched_mm`` experts
+  implementation, whose shapes are static (:func:`_experts_as_batched_matmuls`).
 - **Dims** are named ``batch``, ``seq``, ``patches``/``video_patches`` (packed vision inputs) or
   ``images``, ``height``, ``width`` (batched pixel inputs); the values per packed patch are static; any other dim is
   ``<argument>_<dim>``, free unless the model fixes it.
@@ -141,7 +143,32 @@ class TransformersAdapter(Adapter):
         with contextlib.ExitStack() as stack:
             for owner in self.getter_owners:
                 stack.enter_context(packed_pieces(owner, FEATURE_GETTERS))
+            stack.enter_context(_experts_as_batched_matmuls(self.model))
             yield
+
+
+@contextlib.contextmanager
+def _experts_as_batched_matmuls(model: torch.nn.Module) -> Iterator[None]:
+    """Mixture-of-experts layers traced through transformers' ``batched_mm`` experts implementation.
+
+    The eager implementation loops over the experts a batch hits (``nonzero``, ``torch.where``: the
+    number and sizes of the groups are data) and ``grouped_mm`` sorts tokens into data-sized groups;
+    ``batched_mm`` multiplies every (token, chosen expert) pair by its expert's weights with one
+    ``bmm`` of static shape. All three do the same multiply-adds, 2·top_k·tokens·(expert's
+    weights): transformers' routers send every token to exactly ``top_k`` experts and drop none, so
+    the count is exact for whichever implementation runs (the ``model`` MoE convention equals the
+    ``actual`` one here). The router and shared experts are their own modules and counted as such.
+    """
+    configs = {id(m.config): m.config for m in model.modules() if hasattr(m, "config") and hasattr(m.config, "_experts_implementation")}
+    experts = [m for m in model.modules() if callable(getattr(m, "_apply_gate", None))]  # wrapped by use_experts_implementation
+    saved = {key: config._experts_implementation for key, config in configs.items()} if experts else {}
+    for key in saved:
+        configs[key]._experts_implementation = "batched_mm"
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            configs[key]._experts_implementation = value
 
 
 @contextlib.contextmanager

@@ -72,6 +72,21 @@ def _qwen3_vl(attn: str, text_layers: int, vision_layers: int) -> torch.nn.Modul
     return _build(Qwen3VLForConditionalGeneration, config, attn)
 
 
+def _qwen3_vl_moe(attn: str, text_layers: int, vision_layers: int) -> torch.nn.Module:
+    from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
+
+    config = Qwen3VLMoeConfig(
+        text_config=dict(TEXT, num_hidden_layers=text_layers, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                         moe_intermediate_size=48, decoder_sparse_step=1,
+                         rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "mrope_interleaved": True}),
+        vision_config=dict(depth=vision_layers, hidden_size=32, intermediate_size=64, out_hidden_size=64, num_heads=4,
+                           in_channels=3, patch_size=4, spatial_merge_size=2, temporal_patch_size=2,
+                           num_position_embeddings=64, deepstack_visual_indexes=[0]),
+        image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=START, vision_end_token_id=END,
+    )
+    return _build(Qwen3VLMoeForConditionalGeneration, config, attn)
+
+
 TOWERS = {  # 32x32 images in 8x8 patches: 16 patch tokens (+ CLS for CLIP)
     "clip": dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_attention_heads=4,
                  image_size=32, patch_size=8, projection_dim=32),
@@ -112,6 +127,7 @@ def _gemma3(attn: str, text_layers: int, vision_layers: int) -> torch.nn.Module:
 
 def _build(cls: Any, config: Any, attn: str) -> torch.nn.Module:
     config._attn_implementation = attn
+    config._experts_implementation = "eager"  # the loop over experts, which FlopCounterMode counts
     for sub in ("text_config", "vision_config"):
         if getattr(config, sub, None) is not None:
             getattr(config, sub)._attn_implementation = attn
@@ -123,6 +139,7 @@ FAMILIES: dict[str, Family] = {
     "qwen2_vl": Family("qwen2_vl", _qwen2_vl, "grid", videos=True),
     "qwen2_5_vl": Family("qwen2_5_vl", _qwen2_5_vl, "grid", videos=True),
     "qwen3_vl": Family("qwen3_vl", _qwen3_vl, "grid", videos=True, frames_apart=True),
+    "qwen3_vl_moe": Family("qwen3_vl_moe", _qwen3_vl_moe, "grid", videos=True, frames_apart=True),
     "llava_clip": Family("llava_clip", _llava("clip"), "fixed"),
     "llava_siglip": Family("llava_siglip", _llava("siglip"), "fixed"),
     "gemma3": Family("gemma3", _gemma3, "fixed"),

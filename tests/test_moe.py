@@ -1,0 +1,106 @@
+"""Mixture-of-experts transformers models, zero-config: Mixtral and Qwen2-MoE (router, routed experts,
+and Qwen2-MoE's shared expert) from tiny random configs.
+
+References, per random batch: FlopCounterMode on the same batch through the model with the eager
+experts loop (each expert's matmuls on the tokens routed to it) and eager attention, forward and
+forward + ``loss.backward()``, per module (forward from FlopCounterMode, training by replaying each
+module alone); and the textbook cost of the routed experts from the config alone,
+2·top_k·tokens·(3·hidden·expert_ffn) per layer forward for SwiGLU experts.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import fxflops
+from fxflops.conventions import FLOPCOUNTER
+from reference import flop_counter_modules, replayed_training_counts
+
+transformers = pytest.importorskip("transformers")
+
+MODEL_FLOPS = FLOPCOUNTER.but(name="fwd+bwd", recompute=False)
+BATCHES = 30
+HIDDEN, EXPERT_FFN, EXPERTS, TOP_K, LAYERS = 64, 48, 4, 2, 2
+
+
+def mixtral(attn: str) -> torch.nn.Module:
+    config = transformers.MixtralConfig(
+        vocab_size=256, hidden_size=HIDDEN, intermediate_size=EXPERT_FFN, num_hidden_layers=LAYERS, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=EXPERTS, num_experts_per_tok=TOP_K, max_position_embeddings=512,
+    )
+    return _build(transformers.MixtralForCausalLM, config, attn)
+
+
+def qwen2_moe(attn: str) -> torch.nn.Module:
+    config = transformers.Qwen2MoeConfig(
+        vocab_size=256, hidden_size=HIDDEN, intermediate_size=96, moe_intermediate_size=EXPERT_FFN,
+        shared_expert_intermediate_size=96, num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2,
+        num_experts=EXPERTS, num_experts_per_tok=TOP_K, decoder_sparse_step=1, max_position_embeddings=512,
+    )
+    return _build(transformers.Qwen2MoeForCausalLM, config, attn)
+
+
+def _build(cls, config, attn: str) -> torch.nn.Module:
+    config._attn_implementation = attn
+    config._experts_implementation = "eager"
+    torch.manual_seed(0)
+    return cls(config).eval()
+
+
+FAMILIES = {"mixtral": mixtral, "qwen2_moe": qwen2_moe}
+
+
+def random_batch(rng: random.Random) -> dict:
+    batch, length = rng.randint(1, 3), rng.randint(3, 40)
+    lengths = [rng.randint(1, length) for _ in range(batch)]
+    lengths[0] = length
+    ids = torch.tensor([[rng.randrange(1, 256) for _ in range(n)] + [0] * (length - n) for n in lengths])
+    mask = torch.tensor([[1] * n + [0] * (length - n) for n in lengths])
+    return dict(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100))
+
+
+def moe_modules(model: torch.nn.Module) -> list[str]:
+    """Router, routed experts, shared expert and its gate of every MoE block, plus the head."""
+    parts = ("mlp.gate", "mlp.experts", "mlp.shared_expert", "mlp.shared_expert_gate")
+    return [p for p, _ in model.named_modules() if p.endswith(parts)] + ["model.layers.0", "lm_head"]
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_moe_counts_equal_flop_counter_per_module(family, attn):
+    reference = FAMILIES[family]("eager")
+    wrapper = fxflops.instrument(FAMILIES[family](attn), backward=True, strict=True)
+    modules = moe_modules(reference)
+    rng = random.Random(f"{family}-{attn}")
+    for i in range(BATCHES):
+        batch = random_batch(rng)
+        forward = flop_counter_modules(reference, batch, backward=False)
+        training = replayed_training_counts(reference, batch, modules)
+        training[""] = flop_counter_modules(reference, batch, backward=True)[""]
+        wrapper.flops.reset()
+        wrapper(**batch).loss.backward()
+        got_forward = wrapper.flops.breakdown(phase="fwd")
+        got_training = wrapper.flops.breakdown(convention=MODEL_FLOPS)
+        tokens = batch["input_ids"].numel()
+        for layer in range(LAYERS):  # every token through top_k SwiGLU experts: the textbook cost
+            experts = f"model.layers.{layer}.mlp.experts"
+            assert got_forward[experts] == 2 * TOP_K * tokens * 3 * HIDDEN * EXPERT_FFN, (family, i)
+        for path in ["", *modules]:
+            where = (family, attn, i, path or "<model>")
+            assert got_forward.get(path, 0) == forward.get(path, 0), where
+            assert got_training.get(path, 0) == training.get(path, 0), where
+    assert wrapper.captures == 1 and wrapper.flops.uncounted == 0
+
+
+def test_router_and_shared_expert_are_their_own_modules():
+    program = fxflops.trace(qwen2_moe("eager"), kwargs=random_batch(random.Random(0)))
+    block = "model.layers.0.mlp"
+    named = {str(s): s for s in program.symbols}
+    assert set(named) == {"batch", "seq"}
+    tokens = named["batch"] * named["seq"]
+    assert program.formula(f"{block}.gate") == 2 * HIDDEN * EXPERTS * tokens  # the router GEMM
+    assert program.formula(f"{block}.shared_expert") == 2 * 3 * HIDDEN * 96 * tokens
+    assert program.formula(f"{block}.experts") == 2 * TOP_K * 3 * HIDDEN * EXPERT_FFN * tokens
