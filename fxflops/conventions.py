@@ -13,6 +13,8 @@ A :class:`Convention` is applied when a Program is evaluated (the capture is the
 * ``backward``: ``"traced"`` (the backward graph autograd really runs; needs ``backward=True`` at
   capture) or ``"2x"`` (twice the forward, as formula-based tools assume).
 * ``recompute``: include activation-checkpointing recompute (hardware FLOPs, HFU) or not (MFU).
+* ``router``: count mixture-of-experts router GEMMs (the matmuls whose scores feed a top-k expert
+  choice; FlopCounterMode, torchtitan) or not (Megatron).
 * ``unit``: ``"flops"`` (a multiply-add is 2) or ``"macs"`` (a multiply-add is 1).
 """
 
@@ -39,6 +41,7 @@ class Convention:
     backward: str = "traced"
     recompute: bool = True
     unit: str = "flops"
+    router: bool = True
 
     def __post_init__(self) -> None:
         for field, choices in _CHOICES.items():
@@ -57,6 +60,7 @@ class Convention:
             "embedding gathers counted" if self.embeddings else "embeddings not counted",
             "backward traced from the autograd graph" if self.backward == "traced" else "backward = 2x forward",
             "recompute included (HFU)" if self.recompute else "recompute excluded (MFU)",
+            "MoE router GEMMs counted" if self.router else "MoE router GEMMs not counted",
             "FLOPs (multiply-add = 2)" if self.unit == "flops" else "MACs (multiply-add = 1)",
         ]
         return f"{self.name}: " + ", ".join(parts)
@@ -66,9 +70,10 @@ FLOPCOUNTER = Convention("flopcounter")
 """torch.utils.flop_counter.FlopCounterMode's numbers (the default): matmul-family, causal not halved,
 backward as traced (fused attention backward 2.5x its forward), recompute included."""
 
-MEGATRON = Convention("megatron", causal="half", backward="2x", recompute=False)
+MEGATRON = Convention("megatron", causal="half", backward="2x", recompute=False, router=False)
 """Megatron-LM / Megatron-Bridge ``num_floating_point_operations``: every GEMM x3 (fwd, dgrad,
-wgrad), attention core QKᵀ and PV with causal s²/2, no recompute, embeddings not counted."""
+wgrad), attention core QKᵀ and PV with causal s²/2, no recompute, embeddings and MoE router GEMMs
+not counted (routed experts at top-k, shared experts counted)."""
 
 PALM = Convention("palm", backward="2x", recompute=False)
 """PaLM Appendix B / nanoGPT ``estimate_mfu``: 6N per token + 12·L·H·Q·T, causal not halved."""

@@ -30,7 +30,7 @@ from fxflops.capture.adapters import Adapter
 from fxflops.capture.inputs import path_label
 from fxflops.capture.lifting import SEGMENT, Lifted
 from fxflops.capture.phases import phase_of
-from fxflops.capture.segments import ELEMENT, Family, SegmentAnalysis
+from fxflops.capture.segments import ELEMENT, Family, SegmentAnalysis, op_name
 from fxflops.capture.trace import Captured, Guard
 from fxflops.conventions import FLOPCOUNTER, Convention
 from fxflops.errors import CaptureError, GuardError, UnboundSymbolError
@@ -66,6 +66,7 @@ class Term:
     flops: sympy.Expr
     kind: str = "matmul"
     causal_exact: sympy.Expr | None = None
+    router: bool = False  # a mixture-of-experts router GEMM (or its backward): see ``router_nodes``
 
 
 @dataclass(frozen=True)
@@ -148,6 +149,7 @@ def _graph_terms(
     Backward nodes belong to the module of the forward op they differentiate (same autograd
     sequence number). Returns terms, unsupported ops, and notes on how some ops were counted."""
     terms, unsupported, notes = [], [], []
+    routers = router_nodes(graph)
     forward_module: dict[int, str] = {}
     for node in graph.nodes:  # the first forward node of a sequence number is the op autograd recorded
         if node.op == "call_function" and phase_of(node) == "fwd" and "seq_nr" in node.meta:
@@ -203,9 +205,41 @@ def _graph_terms(
                 "that no input shape or segment family gives"
             )
         if flops != 0:
-            terms += _split_recompute(Term(node.name, str(op), path, phase, flops, entry.kind, exact), entry, args, kwargs, out_shape)
+            term = Term(node.name, str(op), path, phase, flops, entry.kind, exact, router=node in routers)
+            terms += _split_recompute(term, entry, args, kwargs, out_shape)
             notes += _mask_notes(node, path)
     return terms, unsupported, notes
+
+
+_ROUTER_CHOICES = frozenset({"topk", "sort", "argsort"})
+
+
+def router_nodes(graph: torch.fx.Graph) -> set[torch.fx.Node]:
+    """Mixture-of-experts router GEMMs: the matrix products whose result reaches a top-k (or sort)
+    expert choice through no other matrix product (logits -> softmax/sigmoid/bias -> topk), with
+    their backward nodes (the same autograd sequence number). Conventions that leave the router
+    out (Megatron: "router GEMM not counted", FORMULAS.md §1) skip them."""
+    def is_product(node: torch.fx.Node) -> bool:
+        entry = entry_for(node.target) if node.op == "call_function" else None
+        return entry is not None and entry.kind == "matmul"
+
+    found: set[torch.fx.Node] = set()
+    for choice in graph.nodes:
+        if choice.op != "call_function" or op_name(choice.target) not in _ROUTER_CHOICES:
+            continue
+        stack, seen = [a for a in choice.all_input_nodes], set()
+        while stack:
+            node = stack.pop()
+            if node in seen or node.op != "call_function":
+                continue
+            seen.add(node)
+            if is_product(node):
+                found.add(node)
+            else:
+                stack.extend(node.all_input_nodes)
+    sequence = {n.meta["seq_nr"] for n in found if "seq_nr" in n.meta}
+    found |= {n for n in graph.nodes if n.op == "call_function" and n.meta.get("seq_nr") in sequence and phase_of(n) == "bwd"}
+    return found
 
 
 def _split_recompute(term: Term, entry: Any, args: list, kwargs: dict, out_shape: Any) -> list[Term]:
@@ -409,6 +443,8 @@ class Program:
             if (term.kind == "elementwise" and convention.count != "all") or (
                 term.kind == "embedding" and not convention.embeddings
             ):
+                continue
+            if term.router and not convention.router:
                 continue
             if (term.phase == "recompute" and not convention.recompute) or (
                 term.phase == "bwd" and convention.backward == "2x"

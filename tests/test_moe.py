@@ -1,5 +1,6 @@
-"""Mixture-of-experts transformers models, zero-config: Mixtral and Qwen2-MoE (router, routed experts,
-and Qwen2-MoE's shared expert) from tiny random configs.
+"""Mixture-of-experts models. Zero-config transformers models: Mixtral and Qwen2-MoE (router, routed
+experts, and Qwen2-MoE's shared expert) from tiny random configs; and a plain-torch MoE GPT against
+Megatron's MoE formula.
 
 References, per random batch: FlopCounterMode on the same batch through the model with the eager
 experts loop (each expert's matmuls on the tokens routed to it) and eager attention, forward and
@@ -16,8 +17,11 @@ import pytest
 import torch
 
 import fxflops
-from fxflops.conventions import FLOPCOUNTER
-from reference import flop_counter_modules, replayed_training_counts
+from fxflops.conventions import FLOPCOUNTER, MEGATRON
+from fxflops.formulas import gpt_training_flops
+from fxflops.models.tiny_gpt import GPTConfig, TinyGPT
+from fxflops.testing import assert_formula
+from reference import flop_counter_modules, replayed_training_counts, training_reference_total
 
 transformers = pytest.importorskip("transformers")
 
@@ -104,3 +108,40 @@ def test_router_and_shared_expert_are_their_own_modules():
     assert program.formula(f"{block}.gate") == 2 * HIDDEN * EXPERTS * tokens  # the router GEMM
     assert program.formula(f"{block}.shared_expert") == 2 * 3 * HIDDEN * 96 * tokens
     assert program.formula(f"{block}.experts") == 2 * TOP_K * 3 * HIDDEN * EXPERT_FFN * tokens
+
+
+MOE_GPT = GPTConfig(vocab=256, hidden=32, heads=4, kv_heads=2, ffn=64, layers=2, experts=6, top_k=2, expert_ffn=16, shared_ffn=24)
+
+
+def megatron_moe(batch, seq):
+    """Megatron-LM's training FLOPs for the MoE GPT (fxflops.formulas, from its published math):
+    routed experts at top-k, the shared expert, the router GEMM not counted."""
+    cfg = MOE_GPT
+    return gpt_training_flops(
+        tokens=batch * seq, sum_seq_squared=batch * seq**2, layers=cfg.layers, hidden=cfg.hidden, ffn_hidden=cfg.ffn,
+        heads=cfg.heads, query_groups=cfg.kv_heads, kv_channels=cfg.head_dim, vocab=cfg.vocab, glu=True,
+        moe_layers=cfg.layers, moe_ffn_hidden=cfg.expert_ffn, moe_topk=cfg.top_k, shared_expert_ffn_hidden=cfg.shared_ffn,
+    )
+
+
+@pytest.fixture(scope="module")
+def moe_gpt():
+    torch.manual_seed(0)
+    model = TinyGPT(MOE_GPT)
+    ids = torch.randint(0, MOE_GPT.vocab, (2, 9))
+    return model, fxflops.trace(model, (ids,), dims={"input_ids": {0: "batch", 1: "seq"}}, backward=True)
+
+
+def test_megatron_moe_formula_verifies_exactly(moe_gpt):
+    _, program = moe_gpt
+    assert assert_formula(program, megatron_moe, convention=MEGATRON).difference == 0
+
+
+def test_router_is_what_flopcounter_counts_and_megatron_does_not(moe_gpt):
+    """Training, traced: the router GEMM (2·tokens·hidden·experts forward, twice that backward) is
+    counted under FLOPCOUNTER and not under MEGATRON; FlopCounterMode agrees with the traced total."""
+    model, program = moe_gpt
+    ids = torch.randint(0, MOE_GPT.vocab, (3, 11))
+    router = program.total(convention=FLOPCOUNTER, batch=3, seq=11) - program.total(convention=FLOPCOUNTER.but(router=False), batch=3, seq=11)
+    assert router == MOE_GPT.layers * 3 * (2 * 3 * 11 * MOE_GPT.hidden * MOE_GPT.experts)
+    assert program.total(batch=3, seq=11) == training_reference_total(model, ids)

@@ -1,4 +1,6 @@
-"""A GPT-style decoder in plain torch: RMSNorm, GQA attention with causal SDPA, SwiGLU MLP, untied head.
+"""A GPT-style decoder in plain torch: RMSNorm, GQA attention with causal SDPA, SwiGLU MLP, untied head;
+optionally a mixture of experts in place of the MLP (``experts > 0``: top-k routed SwiGLU experts and
+an optional shared expert).
 
 Small by default (the demo and tests trace it in well under a second), any size by config.
 """
@@ -20,6 +22,10 @@ class GPTConfig:
     kv_heads: int = 2
     ffn: int = 256
     layers: int = 2
+    experts: int = 0  # > 0: every layer's MLP is a mixture of this many experts
+    top_k: int = 1
+    expert_ffn: int = 64
+    shared_ffn: int = 0  # > 0: plus a shared SwiGLU expert of this width
 
     @property
     def head_dim(self) -> int:
@@ -46,14 +52,51 @@ class Attention(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    def __init__(self, cfg: GPTConfig) -> None:
+    def __init__(self, cfg: GPTConfig, ffn: int | None = None) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden, cfg.ffn, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden, cfg.ffn, bias=False)
-        self.down_proj = nn.Linear(cfg.ffn, cfg.hidden, bias=False)
+        ffn = ffn or cfg.ffn
+        self.gate_proj = nn.Linear(cfg.hidden, ffn, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden, ffn, bias=False)
+        self.down_proj = nn.Linear(ffn, cfg.hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Experts(nn.Module):
+    """``experts`` SwiGLU experts; every (token, chosen expert) pair is multiplied by its expert's
+    weights with one batched matmul (dropless: each token visits exactly ``top_k`` experts)."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.gate_up = nn.Parameter(torch.randn(cfg.experts, cfg.hidden, 2 * cfg.expert_ffn) * 0.02)
+        self.down = nn.Parameter(torch.randn(cfg.experts, cfg.expert_ffn, cfg.hidden) * 0.02)
+
+    def forward(self, tokens: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        k = chosen.shape[-1]
+        pairs = tokens.repeat_interleave(k, dim=0).unsqueeze(1)  # (tokens * k, 1, hidden)
+        gate, up = torch.bmm(pairs, self.gate_up[chosen.reshape(-1)]).chunk(2, dim=-1)
+        out = torch.bmm(F.silu(gate) * up, self.down[chosen.reshape(-1)]).squeeze(1)
+        return (out * weights.reshape(-1, 1)).reshape(-1, k, tokens.shape[-1]).sum(1)
+
+
+class MoE(nn.Module):
+    """Router (softmax over experts, top-k), routed experts, optional shared expert."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.top_k = cfg.top_k
+        self.router = nn.Linear(cfg.hidden, cfg.experts, bias=False)
+        self.experts = Experts(cfg)
+        self.shared_expert = SwiGLU(cfg, cfg.shared_ffn) if cfg.shared_ffn else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = x.reshape(-1, x.shape[-1])
+        weights, chosen = self.router(tokens).softmax(-1).topk(self.top_k, dim=-1)
+        out = self.experts(tokens, chosen, weights)
+        if self.shared_expert is not None:
+            out = out + self.shared_expert(tokens)
+        return out.reshape(x.shape)
 
 
 class Block(nn.Module):
@@ -62,7 +105,7 @@ class Block(nn.Module):
         self.attn_norm = nn.RMSNorm(cfg.hidden)
         self.attn = Attention(cfg)
         self.mlp_norm = nn.RMSNorm(cfg.hidden)
-        self.mlp = SwiGLU(cfg)
+        self.mlp = MoE(cfg) if cfg.experts else SwiGLU(cfg)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x))
