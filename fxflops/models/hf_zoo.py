@@ -192,13 +192,16 @@ def _fixed_batch(spec: Family, rng: random.Random, batch: int, owner: list[int])
 
 def _grid_batch(rng: random.Random, batch: int, kinds: list[str], owner: list[int], frames_apart: bool) -> dict[str, Any]:
     """Qwen-style: packed patches ``(Σ t·h·w, 3·2·4·4)`` with ``(t, h, w)`` per image or video
-    (``t`` = frames / temporal patch 2; ``h``, ``w`` in patches, even for the 2x2 merge)."""
+    (``t`` = frames / temporal patch 2; ``h``, ``w`` in patches, even for the 2x2 merge; an image has at
+    least 2 merged tokens: with a single 1-token image in the batch, torch's ``index_put`` would
+    broadcast that one row, a different branch that gets a program of its own)."""
     media = []  # (kind, grid) in order of appearance
     for kind in kinds:
         if kind == "video":
             media.append(("video", (rng.randint(2, 3), 2 * rng.randint(1, 3), 2 * rng.randint(1, 3))))
         else:
-            media.append(("image", (1, 2 * rng.randint(1, 4), 2 * rng.randint(1, 4))))
+            # at least 2 merged tokens: a lone 1-token image makes index_put broadcast (its own program)
+            media.append(("image", (1, 2 * rng.randint(1, 4), 2 * rng.randint(2, 4))))
     sequences = [[] for _ in range(batch)]
     for (kind, (t, h, w)), seq in zip(media, owner):
         sequences[seq] += [rng.randrange(1, 200) for _ in range(rng.randint(0, 5))]
