@@ -15,6 +15,10 @@ A :class:`Convention` is applied when a Program is evaluated (the capture is the
 * ``recompute``: include activation-checkpointing recompute (hardware FLOPs, HFU) or not (MFU).
 * ``router``: count mixture-of-experts router GEMMs (the matmuls whose scores feed a top-k expert
   choice; FlopCounterMode, torchtitan) or not (Megatron).
+* ``moe``: routed experts as ``"model"`` (top_k × tokens × expert cost, from the traced dropless
+  dispatch: what MFU formulas assume) or ``"actual"`` (each expert module's matrix products measured
+  on the rows the real dispatch computed: capacity drops, padding, uneven experts; needs
+  ``instrument(..., measure_routing=True)``).
 * ``unit``: ``"flops"`` (a multiply-add is 2) or ``"macs"`` (a multiply-add is 1).
 """
 
@@ -27,6 +31,7 @@ _CHOICES = {
     "causal": ("full", "half", "exact"),
     "backward": ("traced", "2x"),
     "unit": ("flops", "macs"),
+    "moe": ("model", "actual"),
 }
 
 
@@ -42,6 +47,7 @@ class Convention:
     recompute: bool = True
     unit: str = "flops"
     router: bool = True
+    moe: str = "model"
 
     def __post_init__(self) -> None:
         for field, choices in _CHOICES.items():
@@ -61,6 +67,7 @@ class Convention:
             "backward traced from the autograd graph" if self.backward == "traced" else "backward = 2x forward",
             "recompute included (HFU)" if self.recompute else "recompute excluded (MFU)",
             "MoE router GEMMs counted" if self.router else "MoE router GEMMs not counted",
+            "routed experts at top_k x tokens (model)" if self.moe == "model" else "routed experts as dispatched (actual)",
             "FLOPs (multiply-add = 2)" if self.unit == "flops" else "MACs (multiply-add = 1)",
         ]
         return f"{self.name}: " + ", ".join(parts)

@@ -30,6 +30,7 @@ from fxflops.capture.trace import capture
 from fxflops.errors import CaptureError, FxFlopsError, GuardError, InputError
 from fxflops.meter import Meter
 from fxflops.program import Program, backward_rule
+from fxflops.routing import RoutingProbes
 
 ON_MISS = ("recapture", "raise")
 
@@ -49,6 +50,7 @@ class Instrumented(torch.nn.Module):
         strict: bool,
         max_programs: int,
         meter: Meter | None,
+        measure_routing: bool = False,
     ) -> None:
         if on_miss not in ON_MISS:
             raise ValueError(f"on_miss must be one of {ON_MISS}, not {on_miss!r}")
@@ -69,6 +71,7 @@ class Instrumented(torch.nn.Module):
         self.strict = strict
         self.max_programs = max_programs
         self.adapter = adapter_for(model)
+        self.routing = RoutingProbes(model) if measure_routing else None
         self.programs: list[Program] = []
         self.flops = meter if meter is not None else Meter()
         self.captures = 0
@@ -96,15 +99,20 @@ class Instrumented(torch.nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         args, kwargs = self._prepare(args, kwargs)
-        out = self.model(*args, **kwargs)
-        training = self.backward != "none" and torch.is_grad_enabled() and _requires_grad(out)
-        try:
-            self._count(args, kwargs, training)
+        try:  # found (or captured) before the model runs, so a first call's routing is measured too
+            found = self._program_for(args, kwargs)
         except FxFlopsError as exc:
             if self.strict or (self.on_miss == "raise" and isinstance(exc, GuardError)):
                 raise
             self.flops.uncounted += 1
             self._warn_once(str(exc))
+            found = None
+        if self.routing is not None:
+            self.routing.take()  # measurements of an earlier call that was not counted
+        out = self.model(*args, **kwargs)
+        if found is not None:
+            training = self.backward != "none" and torch.is_grad_enabled() and _requires_grad(out)
+            self.flops.add(found[0], self._monomials(*found), training)
         return out
 
     def _prepare(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -119,6 +127,13 @@ class Instrumented(torch.nn.Module):
             return args, kwargs
 
     def _count(self, args: tuple, kwargs: dict, training: bool = False) -> None:
+        """Count one (prepared) call without running the model."""
+        program, values = self._program_for(args, kwargs)
+        self.flops.add(program, self._monomials(program, values), training)
+
+    def _program_for(self, args: tuple, kwargs: dict) -> tuple[Program, tuple[int, ...]]:
+        """The program whose guards this call meets, and its symbol values; captures a new one when
+        none does (``on_miss``); raises FxFlopsError when it cannot."""
         miss = "no program captured yet"
         for program in self.programs:
             try:
@@ -127,8 +142,7 @@ class Instrumented(torch.nn.Module):
                 miss = str(exc)
                 continue
             if program.within_guards(*values):
-                self.flops.add(program, program.monomials(*values), training)
-                return
+                return program, values
             miss = program.explain_guard_failure(values)
         if self.programs and self.on_miss == "raise":
             raise GuardError(f"{type(self.model).__name__}: {miss}")
@@ -144,8 +158,9 @@ class Instrumented(torch.nn.Module):
         # forward (an evaluation before training): later training calls need its backward graph
         grad = torch.enable_grad() if self.backward == "traced" else contextlib.nullcontext()
         started = time.perf_counter()
+        probes = self.routing.paused() if self.routing is not None else contextlib.nullcontext()
         try:
-            with grad:
+            with grad, probes:
                 captured = capture(
                     self.model,
                     args,
@@ -164,7 +179,16 @@ class Instrumented(torch.nn.Module):
         self.flops.exclude_time(time.perf_counter() - started)  # capture time is not training time
         self.captures += 1
         self.programs.append(program)
-        self.flops.add(program, program.monomials(*program.binder.values(args, kwargs)), training)
+        if self.routing is not None:
+            self.routing.watch(program.experts)
+        return program, program.binder.values(args, kwargs)
+
+    def _monomials(self, program: Program, values: tuple[int, ...]) -> tuple:
+        """The call's monomials, with what the routing probes measured for MoE programs."""
+        monomials = program.monomials(*values)
+        if program.experts and self.routing is not None:
+            return program.with_routing(monomials, self.routing.take())
+        return monomials
 
     def _warn_once(self, message: str) -> None:
         if message not in self._warned:
@@ -212,6 +236,7 @@ def instrument(
     strict: bool = False,
     max_programs: int = 8,
     meter: Meter | None = None,
+    measure_routing: bool = False,
 ) -> Instrumented:
     """Wrap ``model`` so every call adds its FLOPs to ``wrapper.flops`` (see module docstring).
 
@@ -224,7 +249,12 @@ def instrument(
     ``meter`` shares one Meter between several wrappers: the pipeline stages or virtual-pipeline chunks
     a rank runs, each instrumented on its own, count every layer once however the schedule interleaves
     their microbatches.
+
+    ``measure_routing`` wraps the expert modules of mixture-of-experts programs so that each call also
+    measures the FLOPs its dispatch really computed (``fxflops/routing.py``), which the ``moe="actual"``
+    convention reports; without it only ``moe="model"`` (top_k × tokens) is available.
     """
     return Instrumented(
-        model, dims, segments, per_segment, strict_metadata, backward, on_miss, strict, max_programs, meter
+        model, dims, segments, per_segment, strict_metadata, backward, on_miss, strict, max_programs, meter,
+        measure_routing,
     )

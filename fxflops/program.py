@@ -39,6 +39,7 @@ from fxflops.rules.elementwise import elementwise_flops
 from fxflops.rules.not_counted import is_not_counted, touches_floats
 
 PHASES = ("fwd", "bwd", "recompute")
+_CALLS, _MEASURED = sympy.Symbol("calls"), sympy.Symbol("measured_calls")  # bookkeeping columns of MoE programs
 BACKWARD_RULES = ("none", "traced", "2x")
 PER_SEGMENT = torch.ops.fxflops.per_segment.default
 PER_SEGMENT_GRAD = torch.ops.fxflops.per_segment_grad.default
@@ -242,6 +243,20 @@ def router_nodes(graph: torch.fx.Graph) -> set[torch.fx.Node]:
     return found
 
 
+def expert_modules(graph: torch.fx.Graph) -> list[str]:
+    """Mixture-of-experts expert modules: per top-k expert choice, the innermost module that reads
+    the chosen indices (the dispatch: HF ``experts(hidden, top_k_index, top_k_weights)``)."""
+    found: set[str] = set()
+    for choice in graph.nodes:
+        if choice.op != "call_function" or op_name(choice.target) != "topk" or phase_of(choice) != "fwd":
+            continue
+        indices = [u for u in choice.users if u.target is operator.getitem and u.args[1] == 1]
+        readers = [module_path(r) for i in indices for r in i.users]
+        if readers:
+            found.add(max(readers, key=lambda path: path.count(".") + (path != "")))
+    return sorted(found)
+
+
 def _split_recompute(term: Term, entry: Any, args: list, kwargs: dict, out_shape: Any) -> list[Term]:
     """A backward term whose rule recomputes forward work (``Entry.recomputed``), as a ``bwd`` term
     and a ``recompute`` term holding that share of its FLOPs (and of its exact-causal FLOPs)."""
@@ -344,6 +359,29 @@ def terms_of(captured: Captured, segments: SegmentAnalysis) -> tuple[list[Term],
     )
 
 
+def _counted(terms: Iterable[Term], convention: Convention) -> Iterator[tuple[str, str, sympy.Expr]]:
+    """(module, phase, FLOPs) of ``terms`` as ``convention`` counts them, term by term."""
+    for term in terms:
+        if (term.kind == "elementwise" and convention.count != "all") or (
+            term.kind == "embedding" and not convention.embeddings
+        ):
+            continue
+        if term.router and not convention.router:
+            continue
+        if (term.phase == "recompute" and not convention.recompute) or (
+            term.phase == "bwd" and convention.backward == "2x"
+        ):
+            continue
+        flops = term.flops
+        if term.causal_exact is not None and convention.causal != "full":
+            flops = term.causal_exact if convention.causal == "exact" else term.flops / 2
+        if convention.unit == "macs":
+            flops = flops / 2
+        yield term.module, term.phase, flops
+        if term.phase == "fwd" and convention.backward == "2x":
+            yield term.module, "bwd", 2 * flops
+
+
 def _depth(path: str) -> int:
     return 0 if path == "" else path.count(".") + 1
 
@@ -373,8 +411,10 @@ class Program:
         module_paths: Iterable[str],
         binder: Binder,
         families: list[Family] = (),
+        experts: Iterable[str] = (),
     ) -> None:
         self.terms = terms
+        self.experts = tuple(experts)  # MoE expert modules (see ``expert_modules``)
         self.notes: list[str] = []
         self.backward = "none"
         self.convention = FLOPCOUNTER
@@ -428,7 +468,7 @@ class Program:
         binder = Binder(forward, captured.input_dims, symbols, stats, strict_metadata)
         families = sorted({family.name: family for family, _ in stats.values()}.values(), key=lambda f: f.name)
         paths = (n for n, _ in model.named_modules()) if isinstance(model, torch.nn.Module) else ()
-        program = cls(terms, unsupported, symbols, captured.guards, paths, binder, families)
+        program = cls(terms, unsupported, symbols, captured.guards, paths, binder, families, expert_modules(graph))
         program.notes = list(dict.fromkeys(notes))
         program.backward = backward
         if backward == "2x":
@@ -438,26 +478,44 @@ class Program:
     # ---- compilation to the monomial basis -------------------------------------------------
     def _convention_terms(self, convention: Convention) -> Iterator[tuple[str, str, sympy.Expr]]:
         """(module, phase, FLOPs) of every term as ``convention`` counts it (module docstring of
-        ``fxflops.conventions``)."""
-        for term in self.terms:
-            if (term.kind == "elementwise" and convention.count != "all") or (
-                term.kind == "embedding" and not convention.embeddings
-            ):
-                continue
-            if term.router and not convention.router:
-                continue
-            if (term.phase == "recompute" and not convention.recompute) or (
-                term.phase == "bwd" and convention.backward == "2x"
-            ):
-                continue
-            flops = term.flops
-            if term.causal_exact is not None and convention.causal != "full":
-                flops = term.causal_exact if convention.causal == "exact" else term.flops / 2
-            if convention.unit == "macs":
-                flops = flops / 2
-            yield term.module, term.phase, flops
-            if term.phase == "fwd" and convention.backward == "2x":
-                yield term.module, "bwd", 2 * flops
+        ``fxflops.conventions``); under ``moe="actual"`` expert modules' products are measured."""
+        actual = convention.moe == "actual" and bool(self.experts)
+        terms = [t for t in self.terms if not (actual and t.kind == "matmul" and self._expert_of(t.module) is not None)]
+        yield from _counted(terms, convention)
+        if actual:
+            yield from self._measured_expert_terms(convention)
+
+    def _expert_of(self, module: str) -> int | None:
+        """Index of the expert module ``module`` is (or is inside), else None."""
+        for i, path in enumerate(self.experts):
+            if module == path or module.startswith(path + "."):
+                return i
+        return None
+
+    def _measured_expert_terms(self, convention: Convention) -> Iterator[tuple[str, str, sympy.Expr]]:
+        """Under ``moe="actual"``: each expert module's matmul FLOPs per phase as its measured forward
+        FLOPs (column ``routed_i``) times the traced ratio of that phase to the traced forward,
+        a number for a module whose products are linear in the rows it is given (an FFN)."""
+        model = convention.but(moe="model")
+        measured_as = FLOPCOUNTER.but(moe="model", count="matmul")
+        for i, path in enumerate(self.experts):
+            forward = self._matmul_formula(path, "fwd", measured_as)
+            for phase in PHASES:
+                traced = self._matmul_formula(path, phase, model)
+                if traced == 0:
+                    continue
+                ratio = sympy.simplify(traced / forward) if forward != 0 else None
+                if ratio is None or not ratio.is_number:
+                    raise ValueError(
+                        f"moe='actual': the {phase} FLOPs of expert module {path!r} are not proportional to its "
+                        f"forward ({traced} vs {forward}), so they cannot be scaled from measured forward FLOPs"
+                    )
+                yield path, phase, ratio * self.routed[i]
+
+    def _matmul_formula(self, path: str, phase: str, convention: Convention) -> sympy.Expr:
+        """Inclusive matmul-kind FLOPs of module ``path`` in ``phase`` under ``convention``."""
+        inside = [t for t in self.terms if t.kind == "matmul" and (t.module == path or t.module.startswith(path + "."))]
+        return sympy.expand(sum((f for _, ph, f in _counted(inside, convention) if ph == phase), sympy.Integer(0)))
 
     def _formulas(self, convention: Convention) -> dict[tuple[str, str], sympy.Expr]:
         """Inclusive formula per (module, phase) under ``convention`` (cached)."""
@@ -489,10 +547,16 @@ class Program:
         variants = [t.flops for t in self.terms] + [t.causal_exact for t in self.terms if t.causal_exact is not None]
         monomials = {m for v in variants for m in sympy.expand(v).as_coefficients_dict()}
         # every symbol is a monomial too, so a Meter also sums sizes (tokens, images) per call
-        self.basis: tuple[sympy.Expr, ...] = tuple(sorted(monomials | set(self.all_symbols), key=sympy.default_sort_key))
+        regular = tuple(sorted(monomials | set(self.all_symbols), key=sympy.default_sort_key))
+        # measured columns, filled in by routing probes (``fxflops/routing.py``) after a call ran: the
+        # forward FLOPs of each expert module's products, calls, and calls whose routing was measured
+        self.routed = tuple(sympy.Symbol(f"routed_{i}") for i in range(len(self.experts)))
+        bookkeeping = (_CALLS, _MEASURED) if self.experts else ()
+        self.basis: tuple[sympy.Expr, ...] = regular + self.routed + bookkeeping
         names = {sym: f"v{i}" for i, sym in enumerate(self.all_symbols)}
         params = ", ".join(names.values())
-        monomials = ", ".join(python_source(m, names) for m in self.basis)
+        tail = ["0"] * len(self.routed) + (["1", "0"] if self.experts else [])
+        monomials = ", ".join([python_source(m, names) for m in regular] + tail)
         checks = " and ".join(f"({python_source(g.expr, names)})" for g in self.guards) or "True"
         scope: dict[str, Any] = {}
         exec(  # noqa: S102 - generated from our own sympy expressions
@@ -502,6 +566,15 @@ class Program:
         )
         self.monomials: Callable[..., tuple[int, ...]] = scope["monomials"]
         self.within_guards: Callable[..., bool] = scope["within_guards"]
+
+    def with_routing(self, monomials: tuple, measured: dict[str, Any]) -> tuple:
+        """One call's monomials with the forward FLOPs its expert modules measured (``fxflops/routing.py``)
+        in the ``routed_i`` columns; the call counts as measured when every expert module was."""
+        if not self.experts:
+            return monomials
+        head = list(monomials[: len(monomials) - len(self.routed) - 2])
+        complete = all(path in measured for path in self.experts)
+        return (*head, *(measured.get(path, 0) for path in self.experts), 1, int(complete))
 
     # ---- evaluation ---------------------------------------------------------------------------
     def required_symbols(self, convention: Convention | None = None) -> tuple[sympy.Symbol, ...]:
@@ -542,7 +615,16 @@ class Program:
     ) -> int:
         """``C[module, phase] · m`` for accumulated monomials ``m`` (all phases when ``phase`` is None;
         a tuple sums several) under ``convention`` (default: the program's)."""
-        rows, denominator = self._rows(convention or self.convention)
+        convention = convention or self.convention
+        if convention.moe == "actual" and self.experts:
+            calls, measured = monomial_sums[-2], monomial_sums[-1]
+            if measured != calls:
+                raise ValueError(
+                    f"moe='actual' needs the routing of every call measured, but {calls - measured} of {calls} "
+                    f"call(s) of this program were not (expert modules {list(self.experts)}): count with "
+                    "fxflops.instrument(model, measure_routing=True), or use moe='model'"
+                )
+        rows, denominator = self._rows(convention)
         phases = PHASES if phase is None else (phase,) if isinstance(phase, str) else phase
         total = 0
         for ph in phases:

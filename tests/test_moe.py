@@ -11,6 +11,7 @@ module alone); and the textbook cost of the routed experts from the config alone
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -21,7 +22,7 @@ from fxflops.conventions import FLOPCOUNTER, MEGATRON
 from fxflops.formulas import gpt_training_flops
 from fxflops.models.tiny_gpt import GPTConfig, TinyGPT
 from fxflops.testing import assert_formula
-from reference import flop_counter_modules, replayed_training_counts, training_reference_total
+from reference import flop_counter_modules, reference_counts, replayed_training_counts, training_reference_total
 
 transformers = pytest.importorskip("transformers")
 
@@ -145,3 +146,89 @@ def test_router_is_what_flopcounter_counts_and_megatron_does_not(moe_gpt):
     router = program.total(convention=FLOPCOUNTER, batch=3, seq=11) - program.total(convention=FLOPCOUNTER.but(router=False), batch=3, seq=11)
     assert router == MOE_GPT.layers * 3 * (2 * 3 * 11 * MOE_GPT.hidden * MOE_GPT.experts)
     assert program.total(batch=3, seq=11) == training_reference_total(model, ids)
+
+
+CAPACITY_GPT = GPTConfig(vocab=256, hidden=32, heads=4, kv_heads=2, ffn=64, layers=2, experts=4, top_k=2,
+                         expert_ffn=16, dispatch="grouped", capacity_factor=0.75)
+ACTUAL = FLOPCOUNTER.but(moe="actual")
+
+
+def _pair(cfg: GPTConfig):
+    """The grouped-GEMM capacity MoE GPT and its reference twin: the same weights and routing, one
+    matmul per expert on the rows it kept (``dispatch="loop"``), which FlopCounterMode counts."""
+    torch.manual_seed(0)
+    grouped = TinyGPT(cfg)
+    loop = TinyGPT(dataclasses.replace(cfg, dispatch="loop"))
+    loop.load_state_dict(grouped.state_dict())
+    return grouped, loop
+
+
+def test_actual_counts_what_the_capacity_dispatch_computed():
+    """30 random batches: ``actual`` equals FlopCounterMode's count of the per-expert loop on the kept
+    rows (forward per module, and forward + backward), ``model`` is top_k x tokens x expert cost."""
+    grouped, loop = _pair(CAPACITY_GPT)
+    wrapper = fxflops.instrument(grouped, dims={"input_ids": {0: "batch", 1: "seq"}}, backward=True, measure_routing=True, strict=True)
+    rng = random.Random(3)
+    dropped = 0
+    for i in range(BATCHES):
+        ids = torch.randint(0, 256, (rng.randint(1, 3), rng.randint(2, 40)), generator=torch.Generator().manual_seed(i))
+        wrapper.flops.reset()
+        wrapper(ids).sum().backward()
+        forward = reference_counts(loop, ids)
+        got = wrapper.flops.breakdown(phase="fwd", convention=ACTUAL)
+        model = wrapper.flops.breakdown(phase="fwd")
+        for layer in range(CAPACITY_GPT.layers):
+            experts = f"layers.{layer}.mlp.experts"
+            assert got[experts] == forward[experts], (i, experts)
+            assert model[experts] == 2 * CAPACITY_GPT.top_k * ids.numel() * 3 * CAPACITY_GPT.hidden * CAPACITY_GPT.expert_ffn
+            dropped += model[experts] - got[experts]
+        assert got[""] == forward[""], i
+        assert wrapper.flops.total(convention=ACTUAL) == training_reference_total(loop, ids), i
+    assert dropped > 0 and wrapper.captures == 1  # the capacity dropped pairs, one program served all
+
+
+def test_forced_routing_changes_actual_not_model():
+    """All router scores equal: every token picks the same top_k experts, which keep only their
+    capacity; the tokens and so the ``model`` count are unchanged."""
+    grouped, _ = _pair(CAPACITY_GPT)
+    wrapper = fxflops.instrument(grouped, dims={"input_ids": {0: "batch", 1: "seq"}}, measure_routing=True, strict=True)
+    ids = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        wrapper(ids)
+        spread = (wrapper.flops.total(), wrapper.flops.total(convention=ACTUAL))
+        for layer in grouped.layers:
+            layer.mlp.router.weight.zero_()
+        wrapper.flops.reset()
+        wrapper(ids)
+        forced = (wrapper.flops.total(), wrapper.flops.total(convention=ACTUAL))
+    assert forced[0] == spread[0] and forced[1] < spread[1]
+    tokens, cfg = ids.numel(), CAPACITY_GPT
+    capacity = -(-3 * tokens * cfg.top_k // (4 * cfg.experts))  # ceil(0.75 · pairs / experts)
+    per_pair = 2 * 3 * cfg.hidden * cfg.expert_ffn
+    experts = wrapper.flops.breakdown(convention=ACTUAL)["layers.0.mlp.experts"]
+    assert experts == cfg.top_k * min(tokens, capacity) * per_pair  # experts 0..top_k-1, each at capacity
+
+
+def test_actual_needs_measured_routing():
+    grouped, _ = _pair(CAPACITY_GPT)
+    wrapper = fxflops.instrument(grouped, dims={"input_ids": {0: "batch", 1: "seq"}}, strict=True)
+    with torch.no_grad():
+        wrapper(torch.randint(0, 256, (2, 9)))
+    assert wrapper.flops.total() > 0
+    with pytest.raises(ValueError, match="measure_routing=True"):
+        wrapper.flops.total(convention=ACTUAL)
+    with pytest.raises(ValueError, match="measure_routing=True"):
+        wrapper.program.total(convention=ACTUAL, batch=2, seq=9)
+
+
+def test_dropless_transformers_moe_actual_equals_model():
+    """transformers routers drop nothing: measured on the eager experts loop, ``actual`` is ``model``."""
+    model = mixtral("eager")
+    wrapper = fxflops.instrument(model, backward=True, measure_routing=True, strict=True)
+    rng = random.Random(5)
+    for _ in range(3):
+        batch = random_batch(rng)
+        wrapper.flops.reset()
+        wrapper(**batch).loss.backward()
+        assert wrapper.flops.total(convention=ACTUAL) == wrapper.flops.total() > 0
+        assert wrapper.program.experts == ("model.layers.0.mlp.experts", "model.layers.1.mlp.experts")

@@ -187,6 +187,32 @@ def _layout_oblivious() -> Iterator[None]:
         torch.Tensor.contiguous, torch._debug_has_internal_overlap, F.linear = contiguous_method, overlap_check, linear
 
 
+@contextlib.contextmanager
+def _grouped_mm_any_float() -> Iterator[None]:
+    """``aten._grouped_mm``'s shape function accepting every floating dtype, while tracing.
+
+    torch's meta function repeats the CUDA kernel's BF16-only check, but the CPU kernel (and the
+    count: the shapes) takes float32 too; the shapes it computes are the same, with ``out_dtype``
+    defaulting to the inputs' dtype.
+    """
+    import torch._meta_registrations as meta
+
+    common = meta._meta_grouped_mm_common
+
+    def any_float(mat_a, mat_b, scale_a, scale_b, offs=None, bias=None, scale_result=None, out_dtype=None, use_fast_accum=False):
+        if scale_a is None and mat_a.dtype == mat_b.dtype and mat_a.dtype.is_floating_point and mat_a.dtype != torch.bfloat16:
+            # the other checks, on bf16 stand-ins; the output of the inputs' own dtype
+            common(mat_a.to(torch.bfloat16), mat_b.to(torch.bfloat16), None, None, offs, bias, scale_result, None, use_fast_accum)
+            return meta._create_grouped_mm_output_tensor(mat_a, mat_b, offs, out_dtype or mat_a.dtype)
+        return common(mat_a, mat_b, scale_a, scale_b, offs, bias, scale_result, out_dtype, use_fast_accum)
+
+    meta._meta_grouped_mm_common = any_float
+    try:
+        yield
+    finally:
+        meta._meta_grouped_mm_common = common
+
+
 def trace_graph(
     model: torch.nn.Module, mode: FakeTensorMode, args: tuple, kwargs: dict, backward: bool = False
 ) -> torch.fx.GraphModule:
@@ -226,7 +252,7 @@ def trace_graph(
     run._orig_mod = model  # make_fx records nn_module_stack relative to this root
     try:
         phases = tagging_recompute() if backward else contextlib.nullcontext()
-        with fx_config.patch(backed_size_oblivious=True), _no_stack_traces(), _layout_oblivious(), phases, mode:
+        with fx_config.patch(backed_size_oblivious=True), _no_stack_traces(), _layout_oblivious(), _grouped_mm_any_float(), phases, mode:
             gm = make_fx(
                 run, tracing_mode="symbolic", _allow_non_fake_inputs=True, record_module_stack=True
             )(*(leaves[i] for i in slots), *fake_state)

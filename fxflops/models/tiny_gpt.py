@@ -8,6 +8,7 @@ Small by default (the demo and tests trace it in well under a second), any size 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from fractions import Fraction
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +27,8 @@ class GPTConfig:
     top_k: int = 1
     expert_ffn: int = 64
     shared_ffn: int = 0  # > 0: plus a shared SwiGLU expert of this width
+    dispatch: str = "batched"  # "batched" (dropless bmm), "grouped" (sorted tokens, _grouped_mm), "loop"
+    capacity_factor: float = 0.0  # > 0 (grouped, loop): an expert keeps at most ceil(cf·tokens·top_k/experts) pairs
 
     @property
     def head_dim(self) -> int:
@@ -64,20 +67,65 @@ class SwiGLU(nn.Module):
 
 
 class Experts(nn.Module):
-    """``experts`` SwiGLU experts; every (token, chosen expert) pair is multiplied by its expert's
-    weights with one batched matmul (dropless: each token visits exactly ``top_k`` experts)."""
+    """``experts`` SwiGLU experts, dispatched three ways (``GPTConfig.dispatch``):
+
+    - ``batched``: every (token, chosen expert) pair multiplied by its expert's weights with one
+      batched matmul: dropless, each token visits exactly ``top_k`` experts;
+    - ``grouped``: pairs sorted by expert and multiplied with ``torch._grouped_mm`` at offsets
+      ``cumsum(kept per expert)``; with a capacity, an expert keeps its first ``capacity`` pairs (in
+      token order) and the dropped pairs sort past the last offset, where no row is computed;
+    - ``loop``: the same routing and capacity as ``grouped``, one matmul per expert on the rows it
+      kept (the reference FlopCounterMode counts).
+    """
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
+        self.cfg = cfg
         self.gate_up = nn.Parameter(torch.randn(cfg.experts, cfg.hidden, 2 * cfg.expert_ffn) * 0.02)
         self.down = nn.Parameter(torch.randn(cfg.experts, cfg.expert_ffn, cfg.hidden) * 0.02)
 
     def forward(self, tokens: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         k = chosen.shape[-1]
-        pairs = tokens.repeat_interleave(k, dim=0).unsqueeze(1)  # (tokens * k, 1, hidden)
-        gate, up = torch.bmm(pairs, self.gate_up[chosen.reshape(-1)]).chunk(2, dim=-1)
-        out = torch.bmm(F.silu(gate) * up, self.down[chosen.reshape(-1)]).squeeze(1)
+        if self.cfg.dispatch == "batched":
+            out = self._batched(tokens.repeat_interleave(k, dim=0), chosen.reshape(-1))
+        else:
+            pairs, kept = tokens.repeat_interleave(k, dim=0), self._kept(chosen.reshape(-1))
+            dispatch = self._grouped if self.cfg.dispatch == "grouped" else self._loop
+            out = dispatch(pairs, chosen.reshape(-1), kept)
         return (out * weights.reshape(-1, 1)).reshape(-1, k, tokens.shape[-1]).sum(1)
+
+    def _batched(self, pairs: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
+        gate, up = torch.bmm(pairs.unsqueeze(1), self.gate_up[expert]).chunk(2, dim=-1)
+        return torch.bmm(F.silu(gate) * up, self.down[expert]).squeeze(1)
+
+    def _kept(self, expert: torch.Tensor) -> torch.Tensor:
+        """Which (token, expert) pairs their expert keeps: all, or its first ``capacity`` in token order."""
+        if not self.cfg.capacity_factor:
+            return torch.ones_like(expert, dtype=torch.bool)
+        factor = Fraction(self.cfg.capacity_factor).limit_denominator(1000)
+        slots = factor.numerator * expert.shape[0]
+        capacity = (slots + factor.denominator * self.cfg.experts - 1) // (factor.denominator * self.cfg.experts)
+        onehot = F.one_hot(expert, self.cfg.experts)
+        rank = ((onehot.cumsum(0) - 1) * onehot).sum(-1)  # position of the pair among its expert's pairs
+        return rank < capacity
+
+    def _grouped(self, pairs: torch.Tensor, expert: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+        order = torch.argsort(expert + self.cfg.experts * (~kept).long(), stable=True)  # dropped pairs last
+        per_expert = (F.one_hot(expert, self.cfg.experts) * kept.unsqueeze(-1)).sum(0)
+        offs = per_expert.cumsum(0).to(torch.int32)
+        computed = (torch.arange(pairs.shape[0], device=pairs.device) < offs[-1]).unsqueeze(-1)
+        hidden = torch.where(computed, torch._grouped_mm(pairs[order], self.gate_up, offs=offs), 0)
+        gate, up = hidden.chunk(2, dim=-1)
+        sorted_out = torch.where(computed, torch._grouped_mm(F.silu(gate) * up, self.down, offs=offs), 0)
+        return torch.zeros_like(sorted_out).index_copy(0, order, sorted_out)
+
+    def _loop(self, pairs: torch.Tensor, expert: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(pairs)
+        for e in range(self.cfg.experts):
+            rows = ((expert == e) & kept).nonzero().squeeze(-1)
+            gate, up = (pairs[rows] @ self.gate_up[e]).chunk(2, dim=-1)
+            out = out.index_copy(0, rows, (F.silu(gate) * up) @ self.down[e])
+        return out
 
 
 class MoE(nn.Module):
