@@ -50,7 +50,7 @@ def test_zero_config_counts_equal_flop_counter_per_module(family, attn, referenc
     if family not in references:
         references[family] = hf_zoo.build(family, "eager")
     reference = references[family]
-    wrapper = fxflops.instrument(hf_zoo.build(family, attn), backward=True, strict=True)
+    wrapper = fxflops.instrument(hf_zoo.build(family, attn), backward=True, strict=True, measure_routing=True)
     modules = top_level(reference)
     rng = random.Random(f"{family}-{attn}")
     for i in range(BATCHES):
@@ -67,8 +67,11 @@ def test_zero_config_counts_equal_flop_counter_per_module(family, attn, referenc
             assert got_forward.get(path, 0) == forward.get(path, 0), where
             assert got_training.get(path, 0) == training.get(path, 0), where
         assert training[""] > 2 * forward[""] > 0
+        if wrapper.program.experts:  # MoE: the dispatch measured (eager loop, dropless) is the model count
+            assert wrapper.flops.breakdown(convention=MODEL_FLOPS.but(moe="actual")) == got_training
     assert wrapper.captures == 1 and wrapper.flops.uncounted == 0
     assert not wrapper.program.unsupported
+    assert bool(wrapper.program.experts) == family.endswith("_moe")  # each MoE layer's dispatch found
 
 
 @pytest.fixture(scope="module")

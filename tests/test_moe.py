@@ -77,7 +77,7 @@ def moe_modules(model: torch.nn.Module) -> list[str]:
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_moe_counts_equal_flop_counter_per_module(family, attn):
     reference = FAMILIES[family]("eager")
-    wrapper = fxflops.instrument(FAMILIES[family](attn), backward=True, strict=True)
+    wrapper = fxflops.instrument(FAMILIES[family](attn), backward=True, strict=True, measure_routing=True)
     modules = moe_modules(reference)
     rng = random.Random(f"{family}-{attn}")
     for i in range(BATCHES):
@@ -97,6 +97,8 @@ def test_moe_counts_equal_flop_counter_per_module(family, attn):
             where = (family, attn, i, path or "<model>")
             assert got_forward.get(path, 0) == forward.get(path, 0), where
             assert got_training.get(path, 0) == training.get(path, 0), where
+        # measured on the eager experts loop: transformers' dropless routing, so actual = model
+        assert wrapper.flops.breakdown(convention=MODEL_FLOPS.but(moe="actual")) == got_training
     assert wrapper.captures == 1 and wrapper.flops.uncounted == 0
 
 
