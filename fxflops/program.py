@@ -24,6 +24,7 @@ from typing import Any
 import networkx as nx
 import sympy
 import torch
+from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from fxflops.binder import Binder, python_source
 from fxflops.capture.adapters import Adapter
@@ -151,6 +152,8 @@ def _graph_terms(
     sequence number). Returns terms, unsupported ops, and notes on how some ops were counted."""
     terms, unsupported, notes = [], [], []
     routers = router_nodes(graph)
+    experts = expert_modules(graph)
+    routed: dict[str, set[sympy.Symbol]] = {}  # expert module -> data-dependent group sizes in its FLOPs
     forward_module: dict[int, str] = {}
     for node in graph.nodes:  # the first forward node of a sequence number is the op autograd recorded
         if node.op == "call_function" and phase_of(node) == "fwd" and "seq_nr" in node.meta:
@@ -200,7 +203,10 @@ def _graph_terms(
             notes.append(f"{path or '<root>'}: causal {op} with query and key lengths that differ is counted dense under every convention")
         exact = None if exact is None else sympy.expand(sympy.sympify(exact))
         unknown = (flops.free_symbols | (exact.free_symbols if exact is not None else set())) - known - segments.symbols()
-        if unknown:
+        expert = next((e for e in experts if own == e or own.startswith(e + ".")), None)
+        if unknown and expert is not None and all(free_unbacked_symbols(u) for u in unknown):
+            routed.setdefault(_join(prefix, expert), set()).update(unknown)  # token groups of a dispatch loop
+        elif unknown:
             raise CaptureError(
                 f"the FLOPs of {where} depend on data-dependent size(s) {sorted(map(str, unknown))} "
                 "that no input shape or segment family gives"
@@ -209,6 +215,9 @@ def _graph_terms(
             term = Term(node.name, str(op), path, phase, flops, entry.kind, exact, router=node in routers)
             terms += _split_recompute(term, entry, args, kwargs, out_shape)
             notes += _mask_notes(node, path)
+    if routed:
+        pairs = {_join(prefix, e): sympy.expand(named(math.prod(i.meta["val"].shape))) for e, i in experts.items()}
+        terms = _routed_rows_as_pairs(terms, routed, pairs)
     return terms, unsupported, notes
 
 
@@ -243,18 +252,46 @@ def router_nodes(graph: torch.fx.Graph) -> set[torch.fx.Node]:
     return found
 
 
-def expert_modules(graph: torch.fx.Graph) -> list[str]:
+def expert_modules(graph: torch.fx.Graph) -> dict[str, torch.fx.Node]:
     """Mixture-of-experts expert modules: per top-k expert choice, the innermost module that reads
-    the chosen indices (the dispatch: HF ``experts(hidden, top_k_index, top_k_weights)``)."""
-    found: set[str] = set()
+    the chosen indices (the dispatch: HF ``experts(hidden, top_k_index, top_k_weights)``), with the
+    indices node (its element count is the number of (token, expert) pairs)."""
+    found: dict[str, torch.fx.Node] = {}
     for choice in graph.nodes:
         if choice.op != "call_function" or op_name(choice.target) != "topk" or phase_of(choice) != "fwd":
             continue
-        indices = [u for u in choice.users if u.target is operator.getitem and u.args[1] == 1]
-        readers = [module_path(r) for i in indices for r in i.users]
-        if readers:
-            found.add(max(readers, key=lambda path: path.count(".") + (path != "")))
-    return sorted(found)
+        for indices in (u for u in choice.users if u.target is operator.getitem and u.args[1] == 1):
+            readers = [module_path(r) for r in indices.users]
+            if readers:
+                found.setdefault(max(readers, key=lambda path: path.count(".") + (path != "")), indices)
+    return dict(sorted(found.items()))
+
+
+def _routed_rows_as_pairs(terms: list[Term], routed: dict[str, set[sympy.Symbol]], pairs: dict[str, sympy.Expr]) -> list[Term]:
+    """The ``model`` count of an expert module whose dispatch loops over the experts with
+    data-dependent token groups (``rows = (expert == e).nonzero()``): each group's size is a
+    data-dependent symbol uₑ, and a dropless dispatch gives Σₑ uₑ = the number of (token, expert)
+    pairs. With experts of equal cost (every uₑ with the same coefficients), Σₑ c·uₑ = c·pairs,
+    so each uₑ becomes pairs / E. Uneven experts have no ``model`` count: refused (measure them)."""
+    for path, symbols in routed.items():
+        signatures = {}
+        for u in symbols:
+            signatures[u] = sorted(
+                (t.op, t.phase, str(sympy.expand(t.flops).coeff(u))) for t in terms if u in t.flops.free_symbols
+            )
+        if len({tuple(v) for v in signatures.values()}) > 1:
+            raise CaptureError(
+                f"expert module {path!r} gives its experts different costs per token, so top_k x tokens x "
+                "expert cost (moe='model') is not defined; fxflops cannot count it from shapes"
+            )
+        share = {u: pairs[path] / len(symbols) for u in symbols}
+        terms = [
+            replace(t, flops=sympy.expand(t.flops.xreplace(share)),
+                    causal_exact=None if t.causal_exact is None else sympy.expand(t.causal_exact.xreplace(share)))
+            if t.flops.free_symbols & symbols else t
+            for t in terms
+        ]
+    return terms
 
 
 def _split_recompute(term: Term, entry: Any, args: list, kwargs: dict, out_shape: Any) -> list[Term]:
@@ -468,7 +505,7 @@ class Program:
         binder = Binder(forward, captured.input_dims, symbols, stats, strict_metadata)
         families = sorted({family.name: family for family, _ in stats.values()}.values(), key=lambda f: f.name)
         paths = (n for n, _ in model.named_modules()) if isinstance(model, torch.nn.Module) else ()
-        program = cls(terms, unsupported, symbols, captured.guards, paths, binder, families, expert_modules(graph))
+        program = cls(terms, unsupported, symbols, captured.guards, paths, binder, families, list(expert_modules(graph)))
         program.notes = list(dict.fromkeys(notes))
         program.backward = backward
         if backward == "2x":

@@ -165,10 +165,12 @@ def _pair(cfg: GPTConfig):
     return grouped, loop
 
 
-def test_actual_counts_what_the_capacity_dispatch_computed():
+@pytest.mark.parametrize("dispatch", ["grouped", "loop"])
+def test_actual_counts_what_the_capacity_dispatch_computed(dispatch):
     """30 random batches: ``actual`` equals FlopCounterMode's count of the per-expert loop on the kept
-    rows (forward per module, and forward + backward), ``model`` is top_k x tokens x expert cost."""
-    grouped, loop = _pair(CAPACITY_GPT)
+    rows (forward per module, and forward + backward), ``model`` is top_k x tokens x expert cost,
+    for a sorted-token grouped GEMM and for a Python loop over the experts (data-dependent groups)."""
+    grouped, loop = _pair(dataclasses.replace(CAPACITY_GPT, dispatch=dispatch))
     wrapper = fxflops.instrument(grouped, dims={"input_ids": {0: "batch", 1: "seq"}}, backward=True, measure_routing=True, strict=True)
     rng = random.Random(3)
     dropped = 0
