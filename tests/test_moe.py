@@ -21,6 +21,7 @@ import fxflops
 from fxflops.conventions import FLOPCOUNTER, MEGATRON
 from fxflops.formulas import gpt_training_flops
 from fxflops.models.tiny_gpt import GPTConfig, TinyGPT
+from fxflops.routing import dispatched_flops
 from fxflops.testing import assert_formula
 from reference import flop_counter_modules, reference_counts, replayed_training_counts, training_reference_total
 
@@ -236,3 +237,14 @@ def test_dropless_transformers_moe_actual_equals_model():
         wrapper(**batch).loss.backward()
         assert wrapper.flops.total(convention=ACTUAL) == wrapper.flops.total() > 0
         assert wrapper.program.experts == ("model.layers.0.mlp.experts", "model.layers.1.mlp.experts")
+
+
+def test_grouped_gemm_rows_are_read_on_the_offsets_device():
+    """The rows a grouped GEMM computed, 2·K·N·offs[-1]: read on the host for CPU offsets, kept a 0-d
+    tensor on any other device (meta here: it has no values, so a host read would raise)."""
+    grouped_mm = torch.ops.aten._grouped_mm.default
+    x, w = torch.randn(10, 8), torch.randn(3, 8, 4)
+    offs = torch.tensor([2, 5, 7], dtype=torch.int32)
+    assert dispatched_flops(grouped_mm, (x, w), {"offs": offs}, torch.empty(10, 4)) == 2 * 8 * 4 * 7
+    on_device = dispatched_flops(grouped_mm, (x.to("meta"), w.to("meta")), {"offs": offs.to("meta")}, None)
+    assert isinstance(on_device, torch.Tensor) and on_device.device.type == "meta" and on_device.dtype == torch.int64
