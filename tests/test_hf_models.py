@@ -139,3 +139,23 @@ def test_plain_models_get_no_adapter():
     from fxflops.models.tiny_gpt import GPTConfig, TinyGPT
 
     assert type(adapter_for(TinyGPT(GPTConfig()))) is Adapter
+
+
+def test_a_family_whose_image_count_is_data_is_refused_not_miscounted():
+    """SmolVLM keeps the image slots whose pixels are not all zero: the vision tower's batch is data."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.SmolVLMConfig(
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, image_size=32, patch_size=8),
+        text_config=dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=512),
+        scale_factor=2, image_token_id=250,
+    )
+    model = transformers.SmolVLMForConditionalGeneration(config).eval()
+    ids = torch.cat([torch.full((1, 3), 5), torch.full((1, 4), 250), torch.full((1, 4), 6)], 1)
+    batch = dict(input_ids=ids, pixel_values=torch.randn(1, 1, 3, 32, 32))
+    with pytest.raises(fxflops.CaptureError, match="patch_embedding.*data-dependent"):
+        fxflops.trace(model, kwargs=batch)
+    wrapper = fxflops.instrument(model)
+    with pytest.warns(UserWarning, match="not counted"), torch.no_grad():
+        wrapper(**batch)
+    assert wrapper.flops.uncounted == 1 and wrapper.flops.total() == 0
