@@ -29,6 +29,7 @@ from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from fxflops.binder import Binder, python_source
 from fxflops.capture.adapters import Adapter
 from fxflops.capture.inputs import path_label
+import fxflops.capture.reuse  # noqa: F401 - registers fxflops::repeat_layer
 from fxflops.capture.lifting import SEGMENT, Lifted
 from fxflops.capture.phases import phase_of
 from fxflops.capture.segments import ELEMENT, Family, SegmentAnalysis, op_name
@@ -44,6 +45,7 @@ _CALLS, _MEASURED = sympy.Symbol("calls"), sympy.Symbol("measured_calls")  # boo
 BACKWARD_RULES = ("none", "traced", "2x")
 PER_SEGMENT = torch.ops.fxflops.per_segment.default
 PER_SEGMENT_GRAD = torch.ops.fxflops.per_segment_grad.default
+REPEAT, REPEAT_GRAD = torch.ops.fxflops.repeat_layer.default, torch.ops.fxflops.repeat_layer_grad.default
 
 
 def backward_rule(backward: bool | str) -> str:
@@ -170,6 +172,8 @@ def _graph_terms(
                 terms += _lifted_terms(node, path, where, named, segments, lifted[module_path(node)])
             continue
         if op is PER_SEGMENT_GRAD:  # its backward is billed from the one-segment joint trace
+            continue
+        if op in (REPEAT, REPEAT_GRAD):  # a reused layer: billed its template's terms (_repeated_terms)
             continue
         entry = entry_for(op)
         if entry is None:
@@ -390,10 +394,36 @@ def _lifted_terms(
 
 
 def terms_of(captured: Captured, segments: SegmentAnalysis) -> tuple[list[Term], list[Unsupported], list[str]]:
-    """Terms of every node of a capture, lifted per-segment modules included."""
-    return _graph_terms(
+    """Terms of every node of a capture, lifted per-segment modules and reused layers included."""
+    terms, unsupported, notes = _graph_terms(
         captured.graph_module.graph, captured.named, set(captured.symbols.values()), segments, captured.lifted
     )
+    return _repeated_terms(terms, captured), unsupported, notes
+
+
+def _under(path: str, prefix: str) -> bool:
+    return path == prefix or path.startswith(prefix + ".")
+
+
+def _repeated_terms(terms: list[Term], captured: Captured) -> list[Term]:
+    """Each reused layer (``capture/reuse.py``) billed its template's terms under its own path, in
+    the passes autograd really ran it: the forward where its markers are, the backward and its
+    recompute (checkpointing, a fused attention backward's Q·Kᵀ) only where its marker's backward
+    ran. Inner layers first, so a template's own reused layers count."""
+    phases: dict[str, set[str]] = defaultdict(set)
+    for node in captured.graph_module.graph.nodes:
+        if node.op == "call_function" and node.target is REPEAT and phase_of(node) == "fwd":
+            phases[node.args[-1]].add("fwd")
+        elif node.op == "call_function" and node.target is REPEAT_GRAD:  # recompute runs in the backward pass
+            phases[node.args[-1]].update(("bwd", "recompute"))
+    for layer, template in sorted(captured.reused.items(), key=lambda item: -item[0].count(".")):
+        copies = [
+            replace(t, node=f"{t.node}@{layer}", module=layer + t.module[len(template):])
+            for t in terms
+            if _under(t.module, template) and t.phase in phases[layer]
+        ]
+        terms = terms + copies
+    return terms
 
 
 def _counted(terms: Iterable[Term], convention: Convention) -> Iterator[tuple[str, str, sympy.Expr]]:
@@ -452,6 +482,7 @@ class Program:
     ) -> None:
         self.terms = terms
         self.experts = tuple(experts)  # MoE expert modules (see ``expert_modules``)
+        self.reused: dict[str, str] = {}
         self.notes: list[str] = []
         self.backward = "none"
         self.convention = FLOPCOUNTER
@@ -505,8 +536,11 @@ class Program:
         binder = Binder(forward, captured.input_dims, symbols, stats, strict_metadata)
         families = sorted({family.name: family for family, _ in stats.values()}.values(), key=lambda f: f.name)
         paths = (n for n, _ in model.named_modules()) if isinstance(model, torch.nn.Module) else ()
-        program = cls(terms, unsupported, symbols, captured.guards, paths, binder, families, list(expert_modules(graph)))
+        experts = list(expert_modules(graph))
+        experts += [layer + e[len(t):] for layer, t in captured.reused.items() for e in experts if _under(e, t)]
+        program = cls(terms, unsupported, symbols, captured.guards, paths, binder, families, sorted(set(experts)))
         program.notes = list(dict.fromkeys(notes))
+        program.reused = dict(captured.reused)  # layers billed as repeats of a traced layer (capture/reuse.py)
         program.backward = backward
         if backward == "2x":
             program.convention = FLOPCOUNTER.but(backward="2x")

@@ -159,3 +159,29 @@ def test_a_family_whose_image_count_is_data_is_refused_not_miscounted():
     with pytest.warns(UserWarning, match="not counted"), torch.no_grad():
         wrapper(**batch)
     assert wrapper.flops.uncounted == 1 and wrapper.flops.total() == 0
+
+
+def test_repeated_layers_are_traced_once_and_counted_exactly():
+    """4 text and 4 vision layers: layers 1-3 of each stack are billed as repeats of layer 0 (one
+    traced layer per stack), and every layer's forward and training FLOPs still equal FlopCounterMode's."""
+    model = hf_zoo.build("qwen2_vl", "eager", text_layers=4, vision_layers=4)
+    wrapper = fxflops.instrument(model, backward=True, strict=True)
+    layers = [f"model.language_model.layers.{i}" for i in range(4)] + [f"model.visual.blocks.{i}" for i in range(4)]
+    rng = random.Random(7)
+    for i in range(3):
+        batch = hf_zoo.random_batch("qwen2_vl", rng)
+        forward = flop_counter_modules(model, batch, backward=False)
+        training = replayed_training_counts(model, batch, layers + top_level(model))
+        training[""] = flop_counter_modules(model, batch, backward=True)[""]
+        wrapper.flops.reset()
+        wrapper(**batch).loss.backward()
+        got_forward = wrapper.flops.breakdown(phase="fwd")
+        got_training = wrapper.flops.breakdown(convention=MODEL_FLOPS)
+        for path in ["", *layers, *top_level(model)]:
+            assert got_forward[path] == forward[path], (i, path)
+            assert got_training[path] == training[path], (i, path)
+    assert wrapper.captures == 1
+    assert wrapper.program.reused == {
+        **{f"model.language_model.layers.{i}": "model.language_model.layers.0" for i in (1, 2, 3)},
+        **{f"model.visual.blocks.{i}": "model.visual.blocks.0" for i in (1, 2, 3)},
+    }

@@ -247,6 +247,11 @@ def _is_bound(condition: sympy.Basic) -> bool:
     return condition.free_symbols == {SEGMENT}
 
 
+def lifted_paths(model: torch.nn.Module, patterns: dict[str, str]) -> list[str]:
+    """Paths of the modules of ``model`` that ``patterns`` lift."""
+    return [path for path, _ in model.named_modules() if path and any(fnmatch.fnmatchcase(path, p) for p in patterns)]
+
+
 @contextlib.contextmanager
 def install_stand_ins(
     model: torch.nn.Module, patterns: dict[str, str], backward: bool = False

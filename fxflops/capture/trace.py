@@ -27,7 +27,8 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import DimDynamic
 
 from fxflops.capture.adapters import Adapter
-from fxflops.capture.lifting import Lifted, install_stand_ins
+from fxflops.capture.lifting import Lifted, install_stand_ins, lifted_paths
+from fxflops.capture.reuse import LayerCalledTwice, reusing_repeated_layers
 from fxflops.capture.phases import run_backward, tagging_recompute
 from fxflops.capture.inputs import DimSpec, Path, bind_call, resolve_dims, tensor_leaves
 from fxflops.capture.shape_env import BlamingShapeEnv, format_location, is_library_file
@@ -67,6 +68,7 @@ class Captured:
     placeholder_paths: list[Path]  # the input path of each tensor placeholder, in graph order
     pinned: dict[str, sympy.Expr] = field(default_factory=dict)  # auto dims the code fixed
     lifted: dict[str, Lifted] = field(default_factory=dict)  # per-segment modules by path
+    reused: dict[str, str] = field(default_factory=dict)  # layer path -> the traced layer it repeats
     assumptions_at_capture: tuple[int, int] = (0, 0)
 
     def assumptions(self) -> tuple[int, int]:
@@ -258,7 +260,7 @@ def trace_graph(
             )(*(leaves[i] for i in slots), *fake_state)
         gm.meta["output_structure"] = tuple(structure)  # (pytree spec, leaves with TENSOR for tensors)
         return gm
-    except CaptureError:
+    except (CaptureError, LayerCalledTwice):
         raise
     except Exception as exc:  # make_fx raises many types; name the model and the line
         hint = ""
@@ -321,22 +323,28 @@ def capture(
     tensors = tensor_leaves(named)
     specs = resolve_dims(dims, tensors)
 
-    env = BlamingShapeEnv()
-    mode = FakeTensorMode(shape_env=env, allow_non_fake_inputs=True)
-    fakes, env_syms = _symbolic_inputs(env, mode, tensors, specs)
-    fake_by_id = {id(tensors[path]): fake for path, fake in fakes.items()}
-
     leaves = pytree.tree_leaves((args, kwargs))
     slots = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
-    call_args, call_kwargs = pytree.tree_map(
-        lambda v: fake_by_id[id(v)] if isinstance(v, torch.Tensor) else v, (args, kwargs)
-    )
-    with adapter.capturing(), install_stand_ins(model, per_segment, backward) as lifted:
-        gm = trace_graph(model, mode, call_args, call_kwargs, backward)
+    for reusing in (True, False):  # without reuse when a layer runs twice (capture/reuse.py)
+        env = BlamingShapeEnv()
+        mode = FakeTensorMode(shape_env=env, allow_non_fake_inputs=True)
+        fakes, env_syms = _symbolic_inputs(env, mode, tensors, specs)
+        fake_by_id = {id(tensors[path]): fake for path, fake in fakes.items()}
+        call_args, call_kwargs = pytree.tree_map(
+            lambda v: fake_by_id[id(v)] if isinstance(v, torch.Tensor) else v, (args, kwargs)
+        )
+        try:
+            with adapter.capturing(), install_stand_ins(model, per_segment, backward) as lifted:
+                skip = set(lifted_paths(model, per_segment))
+                with reusing_repeated_layers(model, skip, backward, enabled=reusing) as reuse:
+                    gm = trace_graph(model, mode, call_args, call_kwargs, backward)
+            break
+        except LayerCalledTwice:
+            continue
     pinned = _check_free(env, env_syms, strict=dims is not None and not allow_pins)
     env_to_named = {sym: named_symbol(name) for name, sym in env_syms.items()}
     path_of = {id(tensor): path for path, tensor in tensors.items()}
-    captured = Captured(gm, env, {}, env_to_named, specs, [], {}, [path_of[id(leaves[i])] for i in slots], pinned, lifted)
+    captured = Captured(gm, env, {}, env_to_named, specs, [], {}, [path_of[id(leaves[i])] for i in slots], pinned, lifted, reuse.templates)
     captured.symbols = {name: named_symbol(name) for name in env_syms if name not in pinned}
     captured.input_dims = {
         path: tuple(captured.named(size) for size in fake.shape) for path, fake in fakes.items()
