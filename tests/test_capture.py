@@ -333,3 +333,41 @@ def test_elementwise_work_on_data_dependent_sizes_is_noted_not_counted():
     assert program.count(torch.randn(6, 4), torch.tensor([9])) == 2 * 6 * 4 * 4
     everything = fxflops.conventions.FLOPCOUNTER.but(count="all")
     assert program.total(convention=everything, rows=6) == 2 * 6 * 4 * 4
+
+
+class IndexedLayer(nn.Module):
+    """A layer that branches on its own index: only its attributes tell it apart from its siblings."""
+
+    def __init__(self, index: int) -> None:
+        super().__init__()
+        self.index = index
+        self.fc = nn.Linear(8, 8)
+        self.extra = nn.Linear(8, 8)
+
+    def forward(self, x):
+        x = self.fc(x)
+        return self.extra(x) if self.index % 2 else x
+
+
+class IndexedStack(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(IndexedLayer(i) for i in range(4))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_identical_layers_are_traced_once_and_distinct_ones_each():
+    from fxflops.models.tiny_gpt import forward_flops_formula
+
+    cfg = GPTConfig(vocab=100, hidden=32, heads=2, kv_heads=1, ffn=48, layers=4)
+    program = fxflops.trace(TinyGPT(cfg), (torch.randint(0, 100, (2, 9)),), dims={"input_ids": {0: "b", 1: "s"}})
+    assert program.reused == {f"layers.{i}": "layers.0" for i in (1, 2, 3)}
+    assert program.total(b=3, s=17) == forward_flops_formula(cfg, 3, 17)
+    model = IndexedStack()  # its index is a plain attribute: every layer is its own kind
+    program = fxflops.trace(model, (torch.randn(3, 8),), dims={"x": {0: "rows"}})
+    assert program.reused == {}
+    assert program.total(rows=5) == reference_counts(model, torch.randn(5, 8))[""] == 2 * 5 * 8 * 8 * 6

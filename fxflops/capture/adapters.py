@@ -9,7 +9,9 @@ windows that way) gets an adapter that
   so the work is moved, not added);
 - ``dims``: names the call's dims (``batch``, ``seq``, ``patches``) when the user names none;
 - ``per_segment``: the modules to lift per segment (see ``capture/lifting.py``);
-- ``capturing``: a context held during the capture only (``capture/pieces.py``).
+- ``capturing``: a context held during the capture only (``capture/pieces.py``);
+- ``same_layer_attributes``: attributes that differ between a stack's layers without changing what
+  they compute, so identical layers are still traced once (``capture/reuse.py``).
 
 :func:`adapter_for` picks it by the model's type; the family's module is imported only when the model
 is an instance of it.
@@ -26,6 +28,7 @@ class Adapter:
     """The identity adapter: the model is captured and bound from the call as given."""
 
     per_segment: dict[str, str] = {}
+    same_layer_attributes: frozenset[str] = frozenset()  # attributes layer reuse may ignore (capture/reuse.py)
 
     def prepare(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """The call the model runs and the program binds: here the call itself."""

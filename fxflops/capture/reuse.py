@@ -10,9 +10,11 @@ Program bills it the template's terms under its own path (``Program`` docstring)
 
 - the same class, and the same parameters and buffers (names, shapes, dtypes, ``requires_grad``:
   a frozen layer is its own kind);
-- the same plain attributes (numbers, strings, flags) on the layer and every submodule, except the
-  layer's index (``layer_idx``): Gemma's sliding and full attention layers, a checkpointed layer,
-  a differently sized layer are different kinds;
+- the same plain attributes (numbers, strings, flags) on the layer and every submodule: Gemma's
+  sliding and full attention layers, a checkpointed layer, a differently sized layer, a layer that
+  stores its own index are different kinds. Only a model family's adapter may name attributes to
+  ignore: transformers layers' ``layer_idx`` only indexes caches (every index-dependent choice in
+  transformers 5.x is made in ``__init__`` as an attribute or a submodule class);
 - the same call: the same argument structure and non-tensor values, floating tensors of the same
   dtype, ``requires_grad`` and symbolic shape, and integer/bool tensors (offsets, masks, positions)
   that are the very same tensors as the template's — Qwen2.5-VL's window and full attention blocks,
@@ -35,7 +37,6 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-_INDEX_ATTRIBUTES = frozenset({"layer_idx", "layer_id", "layer_index", "idx"})
 _PLAIN = (bool, int, float, str, type(None))
 
 
@@ -81,12 +82,12 @@ class Reuse:
     templates: dict[str, str] = field(default_factory=dict)
 
 
-def _attributes(module: torch.nn.Module) -> tuple:
-    """The plain attributes of ``module`` and its submodules, layer indices left out."""
+def _attributes(module: torch.nn.Module, ignored: frozenset[str]) -> tuple:
+    """The plain attributes of ``module`` and its submodules, except those named in ``ignored``."""
     found = []
     for path, sub in module.named_modules():
         for name, value in sorted(vars(sub).items()):
-            if name.startswith("_") or name in _INDEX_ATTRIBUTES:
+            if name.startswith("_") or name in ignored:
                 continue
             if isinstance(value, _PLAIN) or (isinstance(value, tuple) and all(isinstance(v, _PLAIN) for v in value)):
                 found.append((path, name, value))
@@ -137,10 +138,14 @@ class LayerCalledTwice(Exception):
 
 
 @contextlib.contextmanager
-def reusing_repeated_layers(model: torch.nn.Module, skip: set[str], backward: bool, enabled: bool = True) -> Iterator[Reuse]:
+def reusing_repeated_layers(
+    model: torch.nn.Module, skip: set[str], backward: bool, enabled: bool = True, ignored: frozenset[str] = frozenset()
+) -> Iterator[Reuse]:
     """Wrap every ``nn.ModuleList`` child of ``model`` (except paths in ``skip``) for one capture
     (``backward``: a joint one); yields the :class:`Reuse` filled as layers are called (see the
-    module docstring). A layer called twice raises :class:`LayerCalledTwice`."""
+    module docstring). A layer called twice raises :class:`LayerCalledTwice`. ``ignored`` names
+    attributes that differ between layers without changing what they compute (a model family's
+    adapter knows them: transformers' ``layer_idx`` only indexes caches)."""
     reuse = Reuse()
     if not enabled:
         yield reuse
@@ -154,7 +159,7 @@ def reusing_repeated_layers(model: torch.nn.Module, skip: set[str], backward: bo
     }
     layers = {path: layer for path, layer in layers.items() if path not in skip and "forward" not in vars(layer)}
     templates: dict[tuple, tuple[str, Any, Any]] = {}  # kind + call -> (path, output spec, output leaves)
-    kinds = {path: (type(layer), _state(layer), _attributes(layer)) for path, layer in layers.items()}
+    kinds = {path: (type(layer), _state(layer), _attributes(layer, ignored)) for path, layer in layers.items()}
 
     def wrap(path: str, layer: torch.nn.Module) -> Any:
         original = type(layer).forward.__get__(layer)

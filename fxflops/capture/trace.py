@@ -336,7 +336,7 @@ def capture(
         try:
             with adapter.capturing(), install_stand_ins(model, per_segment, backward) as lifted:
                 skip = set(lifted_paths(model, per_segment))
-                with reusing_repeated_layers(model, skip, backward, enabled=reusing) as reuse:
+                with reusing_repeated_layers(model, skip, backward, reusing, adapter.same_layer_attributes) as reuse:
                     gm = trace_graph(model, mode, call_args, call_kwargs, backward)
             break
         except LayerCalledTwice:

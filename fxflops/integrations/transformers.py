@@ -78,6 +78,10 @@ def _rope_owner(model: torch.nn.Module) -> torch.nn.Module | None:
 class TransformersAdapter(Adapter):
     """The adapter for a ``transformers.PreTrainedModel`` (see the module docstring)."""
 
+    # decoder layers store their index only to address the KV cache; every index-dependent choice
+    # (layer_type, sliding_window, MoE or dense mlp) is an attribute or a submodule made in __init__
+    same_layer_attributes = frozenset({"layer_idx"})
+
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
         self.per_segment = lifted_modules(model)
