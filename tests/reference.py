@@ -17,6 +17,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils import flop_counter
 from torch.utils.flop_counter import FlopCounterMode
 
+from fxflops.conventions import FLOPCOUNTER
+
 
 def reference_counts(model: torch.nn.Module, *args, **kwargs) -> dict[str, int]:
     """Per-module forward FLOPs by module path (``""`` = root) from FlopCounterMode, MATH SDPA."""
@@ -144,37 +146,28 @@ def _clone_leaf(value):
     return value
 
 
-def per_module_training_reference(model: torch.nn.Module, *args) -> dict[str, int]:
-    """Forward + backward FLOPs of every module, each measured on its own.
-
-    FlopCounterMode's per-module backward attribution is a heuristic (a module counts as "in
-    backward" from its output gradients to its input gradients, so sibling branches such as k_proj and
-    v_proj absorb each other's backward). Here every module call of a real forward + backward is
-    recorded (inputs with their requires_grad, and which outputs really received a gradient), then
-    replayed alone under FlopCounterMode (CPU attention counted, grouped convolutions degrouped) with a
-    backward from exactly those outputs. A module called twice sums both calls. The root is the
-    whole-model count of ``training_reference_total``.
-    """
+def _replayed(names: dict[torch.nn.Module, str], step) -> dict[str, int]:
+    """Record every call of the modules in ``names`` during ``step()`` (a real forward + backward:
+    inputs with their requires_grad, and which outputs really received a gradient), then replay each
+    alone under FlopCounterMode (CPU attention counted, grouped convolutions degrouped) with a
+    backward from exactly those outputs. A module called twice sums both calls."""
     calls = []
 
     def record(module, call_args, call_kwargs, output):
-        path = names[module]
         outputs = [t for t in torch.utils._pytree.tree_leaves(output) if torch.is_tensor(t)]
         got_grad = [False] * len(outputs)
         for i, t in enumerate(outputs):
             if t.requires_grad:
                 t.register_hook(lambda grad, i=i: got_grad.__setitem__(i, True))
-        calls.append((path, module, torch.utils._pytree.tree_map(_clone_leaf, (call_args, call_kwargs)), got_grad))
+        calls.append((names[module], module, torch.utils._pytree.tree_map(_clone_leaf, (call_args, call_kwargs)), got_grad))
 
-    names = {m: n for n, m in model.named_modules()}
-    handles = [m.register_forward_hook(record, with_kwargs=True) for m in model.modules() if m is not model]
+    handles = [m.register_forward_hook(record, with_kwargs=True) for m in names]
     try:
-        out = model(*args)
-        sum(t.float().sum() for t in torch.utils._pytree.tree_leaves(out) if torch.is_tensor(t) and t.is_floating_point()).backward()
+        step()
     finally:
         for h in handles:
             h.remove()
-    counts = {"": training_reference_total(model, *args)}
+    counts: dict[str, int] = {}
     for path, module, (call_args, call_kwargs), got_grad in calls:
         alone = degrouped(module)
         with flop_counter_with_cpu_attention(), FlopCounterMode(display=False) as counter:
@@ -183,6 +176,24 @@ def per_module_training_reference(model: torch.nn.Module, *args) -> dict[str, in
             if roots:
                 torch.autograd.backward(roots, [torch.ones_like(t) for t in roots])
         counts[path] = counts.get(path, 0) + counter.get_total_flops()
+    return counts
+
+
+def per_module_training_reference(model: torch.nn.Module, *args) -> dict[str, int]:
+    """Forward + backward FLOPs of every module, each measured on its own (:func:`_replayed`).
+
+    FlopCounterMode's per-module backward attribution is a heuristic (a module counts as "in
+    backward" from its output gradients to its input gradients, so sibling branches such as k_proj and
+    v_proj absorb each other's backward). The root is the whole-model count of
+    ``training_reference_total``; the step's loss is the sum of the floating outputs.
+    """
+
+    def step():
+        out = model(*args)
+        sum(t.float().sum() for t in torch.utils._pytree.tree_leaves(out) if torch.is_tensor(t) and t.is_floating_point()).backward()
+
+    counts = _replayed({m: n for n, m in model.named_modules() if m is not model}, step)
+    counts[""] = training_reference_total(model, *args)
     return counts
 
 
@@ -205,33 +216,36 @@ def flop_counter_modules(model: torch.nn.Module, batch: dict, backward: bool) ->
 
 
 def replayed_training_counts(model: torch.nn.Module, batch: dict, paths: list[str]) -> dict[str, int]:
-    """Forward + backward FLOPs of each module in ``paths``, each measured on its own: every call of
-    it in a real forward + ``loss.backward()`` is recorded (inputs, and which outputs received a
-    gradient), then replayed alone under FlopCounterMode with a backward from exactly those outputs."""
-    calls = []
+    """Forward + backward FLOPs of each module in ``paths`` of a Hugging Face model, each measured on
+    its own (:func:`_replayed`) from a real forward + ``loss.backward()`` on ``batch``."""
 
-    def record(module, call_args, call_kwargs, output):
-        outputs = [t for t in torch.utils._pytree.tree_leaves(output) if torch.is_tensor(t)]
-        got_grad = [False] * len(outputs)
-        for i, t in enumerate(outputs):
-            if t.requires_grad:
-                t.register_hook(lambda grad, i=i: got_grad.__setitem__(i, True))
-        calls.append((names[module], module, torch.utils._pytree.tree_map(_clone_leaf, (call_args, call_kwargs)), got_grad))
-
-    names = {model.get_submodule(path): path for path in paths}
-    handles = [m.register_forward_hook(record, with_kwargs=True) for m in names]
-    model.train()
-    try:
+    def step():
+        model.train()
         model(**batch, use_cache=False).loss.backward()
-    finally:
-        for handle in handles:
-            handle.remove()
-    counts: dict[str, int] = {}
-    for path, module, (call_args, call_kwargs), got_grad in calls:
-        with FlopCounterMode(display=False) as counter:
-            outputs = [t for t in torch.utils._pytree.tree_leaves(module(*call_args, **call_kwargs)) if torch.is_tensor(t)]
-            roots = [t for t, g in zip(outputs, got_grad) if g and t.requires_grad]
-            if roots:
-                torch.autograd.backward(roots, [torch.ones_like(t) for t in roots])
-        counts[path] = counts.get(path, 0) + counter.get_total_flops()
-    return counts
+
+    return _replayed({model.get_submodule(path): path for path in paths}, step)
+
+
+MODEL_FLOPS = FLOPCOUNTER.but(name="fwd+bwd", recompute=False)
+"""fxflops' model FLOPs: forward + backward, without the Q·Kᵀ a fused attention backward recomputes
+(eager attention, the reference's, never recomputes it)."""
+
+
+def assert_training_call_matches(wrapper, reference: torch.nn.Module, batch: dict, paths: list[str], label: object) -> tuple[dict, ...]:
+    """One training call of a Hugging Face ``wrapper`` (forward + ``loss.backward()``) against
+    FlopCounterMode on the same batch through ``reference`` (eager attention): the forward per
+    module, the training FLOPs per module replayed alone, the whole step's total at ``""``; asserts
+    the root and every path in ``paths`` equal. Returns (fxflops forward, fxflops model FLOPs,
+    reference forward, reference training) breakdowns for further checks."""
+    forward = flop_counter_modules(reference, batch, backward=False)
+    training = replayed_training_counts(reference, batch, paths)
+    training[""] = flop_counter_modules(reference, batch, backward=True)[""]
+    wrapper.flops.reset()
+    wrapper(**batch).loss.backward()
+    got_forward = wrapper.flops.breakdown(phase="fwd")
+    got_training = wrapper.flops.breakdown(convention=MODEL_FLOPS)
+    for path in ["", *paths]:
+        where = (label, path or "<model>")
+        assert got_forward.get(path, 0) == forward.get(path, 0), where
+        assert got_training.get(path, 0) == training.get(path, 0), where
+    return got_forward, got_training, forward, training

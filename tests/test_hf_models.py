@@ -16,13 +16,11 @@ import pytest
 import torch
 
 import fxflops
-from fxflops.conventions import FLOPCOUNTER
 from fxflops.models import hf_zoo
-from reference import flop_counter_modules, replayed_training_counts
+from reference import MODEL_FLOPS, assert_training_call_matches, flop_counter_modules
 
 pytest.importorskip("transformers")
 
-MODEL_FLOPS = FLOPCOUNTER.but(name="fwd+bwd", recompute=False)
 BATCHES = 30
 
 
@@ -55,17 +53,7 @@ def test_zero_config_counts_equal_flop_counter_per_module(family, attn, referenc
     rng = random.Random(f"{family}-{attn}")
     for i in range(BATCHES):
         batch = hf_zoo.random_batch(family, rng, **media_counts(family, rng))
-        forward = flop_counter_modules(reference, batch, backward=False)
-        training = replayed_training_counts(reference, batch, modules)
-        training[""] = flop_counter_modules(reference, batch, backward=True)[""]
-        wrapper.flops.reset()
-        wrapper(**batch).loss.backward()
-        got_forward = wrapper.flops.breakdown(phase="fwd")
-        got_training = wrapper.flops.breakdown(convention=MODEL_FLOPS)
-        for path in ["", *modules]:
-            where = (family, attn, i, path or "<model>")
-            assert got_forward.get(path, 0) == forward.get(path, 0), where
-            assert got_training.get(path, 0) == training.get(path, 0), where
+        _, got_training, forward, training = assert_training_call_matches(wrapper, reference, batch, modules, (family, attn, i))
         assert training[""] > 2 * forward[""] > 0
         if wrapper.program.experts:  # MoE: the dispatch measured (eager loop, dropless) is the model count
             assert wrapper.flops.breakdown(convention=MODEL_FLOPS.but(moe="actual")) == got_training
@@ -180,16 +168,8 @@ def test_repeated_layers_are_traced_once_and_counted_exactly(family):
     rng = random.Random(7)
     for i in range(3):
         batch = hf_zoo.random_batch(family, rng)
-        forward = flop_counter_modules(model, batch, backward=False)
-        training = replayed_training_counts(model, batch, layers + top_level(model))
-        training[""] = flop_counter_modules(model, batch, backward=True)[""]
-        wrapper.flops.reset()
-        wrapper(**batch).loss.backward()
-        got_forward = wrapper.flops.breakdown(phase="fwd")
-        got_training = wrapper.flops.breakdown(convention=MODEL_FLOPS)
-        for path in ["", *layers, *top_level(model)]:
-            assert got_forward[path] == forward[path], (i, path)
-            assert got_training.get(path, 0) == training.get(path, 0), (i, path)
+        got_forward, _, forward, _ = assert_training_call_matches(wrapper, model, batch, layers + top_level(model), (family, i))
+        assert all(path in got_forward and path in forward for path in layers)  # every layer ran and was counted
     assert wrapper.captures == 1
     assert wrapper.program.reused == {
         **{f"model.language_model.layers.{i}": f"model.language_model.layers.{t}" for i, t in text_templates.items()},

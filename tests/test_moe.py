@@ -23,11 +23,10 @@ from fxflops.formulas import gpt_training_flops
 from fxflops.models.tiny_gpt import GPTConfig, TinyGPT
 from fxflops.routing import dispatched_flops
 from fxflops.testing import assert_formula
-from reference import flop_counter_modules, reference_counts, replayed_training_counts, training_reference_total
+from reference import MODEL_FLOPS, assert_training_call_matches, reference_counts, training_reference_total
 
 transformers = pytest.importorskip("transformers")
 
-MODEL_FLOPS = FLOPCOUNTER.but(name="fwd+bwd", recompute=False)
 BATCHES = 30
 HIDDEN, EXPERT_FFN, EXPERTS, TOP_K, LAYERS = 64, 48, 4, 2, 2
 
@@ -83,21 +82,11 @@ def test_moe_counts_equal_flop_counter_per_module(family, attn):
     rng = random.Random(f"{family}-{attn}")
     for i in range(BATCHES):
         batch = random_batch(rng)
-        forward = flop_counter_modules(reference, batch, backward=False)
-        training = replayed_training_counts(reference, batch, modules)
-        training[""] = flop_counter_modules(reference, batch, backward=True)[""]
-        wrapper.flops.reset()
-        wrapper(**batch).loss.backward()
-        got_forward = wrapper.flops.breakdown(phase="fwd")
-        got_training = wrapper.flops.breakdown(convention=MODEL_FLOPS)
+        got_forward, got_training, _, _ = assert_training_call_matches(wrapper, reference, batch, modules, (family, attn, i))
         tokens = batch["input_ids"].numel()
         for layer in range(LAYERS):  # every token through top_k SwiGLU experts: the textbook cost
             experts = f"model.layers.{layer}.mlp.experts"
             assert got_forward[experts] == 2 * TOP_K * tokens * 3 * HIDDEN * EXPERT_FFN, (family, i)
-        for path in ["", *modules]:
-            where = (family, attn, i, path or "<model>")
-            assert got_forward.get(path, 0) == forward.get(path, 0), where
-            assert got_training.get(path, 0) == training.get(path, 0), where
         # measured on the eager experts loop: transformers' dropless routing, so actual = model
         assert wrapper.flops.breakdown(convention=MODEL_FLOPS.but(moe="actual")) == got_training
     assert wrapper.captures == 1 and wrapper.flops.uncounted == 0
