@@ -33,14 +33,18 @@ class Family:
     frames_apart: bool = False  # each video frame its own <start> ... <end> group after a timestamp
 
 
+QWEN_TOKENS = dict(image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=START, vision_end_token_id=END)
+MROPE = {"rope_type": "default", "mrope_section": [2, 2, 4]}  # sections of head_dim / 2 = 8
+
+
 def _qwen2_vl(attn: str, text_layers: int, vision_layers: int) -> torch.nn.Module:
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
 
     config = Qwen2VLConfig(
-        text_config=dict(TEXT, num_hidden_layers=text_layers, rope_parameters={"rope_type": "default", "mrope_section": [2, 2, 4]}),
+        text_config=dict(TEXT, num_hidden_layers=text_layers, rope_parameters=MROPE),
         vision_config=dict(depth=vision_layers, embed_dim=32, hidden_size=64, num_heads=4, in_chans=3, patch_size=4,
                            spatial_merge_size=2, temporal_patch_size=2, mlp_ratio=2),
-        image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=START, vision_end_token_id=END,
+        **QWEN_TOKENS,
     )
     return _build(Qwen2VLForConditionalGeneration, config, attn)
 
@@ -49,42 +53,34 @@ def _qwen2_5_vl(attn: str, text_layers: int, vision_layers: int) -> torch.nn.Mod
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     config = Qwen2_5_VLConfig(
-        text_config=dict(TEXT, num_hidden_layers=text_layers, rope_parameters={"rope_type": "default", "mrope_section": [2, 2, 4]}),
+        text_config=dict(TEXT, num_hidden_layers=text_layers, rope_parameters=MROPE),
         vision_config=dict(depth=vision_layers, hidden_size=32, intermediate_size=64, out_hidden_size=64, num_heads=4,
                            in_channels=3, patch_size=4, spatial_merge_size=2, temporal_patch_size=2, window_size=16,
                            fullatt_block_indexes=[vision_layers - 1]),
-        image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=START, vision_end_token_id=END,
+        **QWEN_TOKENS,
     )
     return _build(Qwen2_5_VLForConditionalGeneration, config, attn)
 
 
-def _qwen3_vl(attn: str, text_layers: int, vision_layers: int) -> torch.nn.Module:
-    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+def _qwen3_vl(moe: bool) -> Callable[[str, int, int], torch.nn.Module]:
+    """Qwen3-VL (deepstack, interpolated position table), with a mixture-of-experts text model if ``moe``."""
 
-    config = Qwen3VLConfig(
-        text_config=dict(TEXT, num_hidden_layers=text_layers, head_dim=16,
-                         rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "mrope_interleaved": True}),
-        vision_config=dict(depth=vision_layers, hidden_size=32, intermediate_size=64, out_hidden_size=64, num_heads=4,
-                           in_channels=3, patch_size=4, spatial_merge_size=2, temporal_patch_size=2,
-                           num_position_embeddings=64, deepstack_visual_indexes=[0]),
-        image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=START, vision_end_token_id=END,
-    )
-    return _build(Qwen3VLForConditionalGeneration, config, attn)
+    def build(attn: str, text_layers: int, vision_layers: int) -> torch.nn.Module:
+        import transformers
 
+        prefix = "Qwen3VLMoe" if moe else "Qwen3VL"
+        experts = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, decoder_sparse_step=1) if moe else {}
+        config = getattr(transformers, f"{prefix}Config")(
+            text_config=dict(TEXT, num_hidden_layers=text_layers, head_dim=16, **experts,
+                             rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "mrope_interleaved": True}),
+            vision_config=dict(depth=vision_layers, hidden_size=32, intermediate_size=64, out_hidden_size=64, num_heads=4,
+                               in_channels=3, patch_size=4, spatial_merge_size=2, temporal_patch_size=2,
+                               num_position_embeddings=64, deepstack_visual_indexes=[0]),
+            **QWEN_TOKENS,
+        )
+        return _build(getattr(transformers, f"{prefix}ForConditionalGeneration"), config, attn)
 
-def _qwen3_vl_moe(attn: str, text_layers: int, vision_layers: int) -> torch.nn.Module:
-    from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
-
-    config = Qwen3VLMoeConfig(
-        text_config=dict(TEXT, num_hidden_layers=text_layers, head_dim=16, num_experts=4, num_experts_per_tok=2,
-                         moe_intermediate_size=48, decoder_sparse_step=1,
-                         rope_parameters={"rope_type": "default", "mrope_section": [2, 3, 3], "mrope_interleaved": True}),
-        vision_config=dict(depth=vision_layers, hidden_size=32, intermediate_size=64, out_hidden_size=64, num_heads=4,
-                           in_channels=3, patch_size=4, spatial_merge_size=2, temporal_patch_size=2,
-                           num_position_embeddings=64, deepstack_visual_indexes=[0]),
-        image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=START, vision_end_token_id=END,
-    )
-    return _build(Qwen3VLMoeForConditionalGeneration, config, attn)
+    return build
 
 
 TOWERS = {  # 32x32 images in 8x8 patches: 16 patch tokens (+ CLS for CLIP)
@@ -138,8 +134,8 @@ def _build(cls: Any, config: Any, attn: str) -> torch.nn.Module:
 FAMILIES: dict[str, Family] = {
     "qwen2_vl": Family("qwen2_vl", _qwen2_vl, "grid", videos=True),
     "qwen2_5_vl": Family("qwen2_5_vl", _qwen2_5_vl, "grid", videos=True),
-    "qwen3_vl": Family("qwen3_vl", _qwen3_vl, "grid", videos=True, frames_apart=True),
-    "qwen3_vl_moe": Family("qwen3_vl_moe", _qwen3_vl_moe, "grid", videos=True, frames_apart=True),
+    "qwen3_vl": Family("qwen3_vl", _qwen3_vl(moe=False), "grid", videos=True, frames_apart=True),
+    "qwen3_vl_moe": Family("qwen3_vl_moe", _qwen3_vl(moe=True), "grid", videos=True, frames_apart=True),
     "llava_clip": Family("llava_clip", _llava("clip"), "fixed"),
     "llava_siglip": Family("llava_siglip", _llava("siglip"), "fixed"),
     "gemma3": Family("gemma3", _gemma3, "fixed"),
