@@ -58,11 +58,13 @@ def lifted_modules(model: torch.nn.Module) -> dict[str, str]:
     return {re.sub(r"\.\d+(?=\.|$)", ".*", path): OFFSETS for path in innermost}
 
 
-def _parameters(function: Any) -> set[str]:
+def _parameters(function: Any, ordered: bool = False) -> Any:
+    """``function``'s parameter names (a set, or a list in order); empty when it has no signature."""
     try:
-        return set(inspect.signature(function).parameters)
+        names = list(inspect.signature(function).parameters)
     except (TypeError, ValueError):
-        return set()
+        names = []
+    return names if ordered else set(names)
 
 
 def _vision_encoder(model: torch.nn.Module) -> torch.nn.Module | None:
@@ -88,12 +90,17 @@ class TransformersAdapter(Adapter):
         self.encoder = _vision_encoder(model)
         self.rope = _rope_owner(model)
         self.derived: set[str] = set()  # the keyword arguments prepare() adds
+        positional = list(_parameters(model.forward, ordered=True))
+        # a call reaching a grid only past this many positional arguments: a quick "no media" test
+        self._grid_after = min((positional.index(g) for g in GRIDS.values() if g in positional), default=len(positional))
         self.getter_owners = [m for m in model.modules() if any(callable(getattr(m, g, None)) for g in FEATURE_GETTERS)]
 
     def prepare(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """Add the metadata the model would derive with loops (see the module docstring). Metadata
         that cannot be derived (a grid that does not match the image tokens) raises
         :class:`~fxflops.errors.MetadataError` naming the inputs."""
+        if len(args) <= self._grid_after and not any(kwargs.get(g) is not None for g in GRIDS.values()):
+            return args, kwargs  # text only: nothing to derive (and no binding on this hot path)
         call = bind_call(self.model.forward, args, kwargs)
         extras: dict[str, Any] = {}
         for modality, grid_name in GRIDS.items():
