@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from fxflops import conventions, rules
+from fxflops import conventions, ops, rules
 from fxflops.capture.adapters import adapter_for
 from fxflops.capture.compile import CountingBackend
 from fxflops.capture.trace import capture as _capture
@@ -27,6 +27,7 @@ from fxflops.instrument import Instrumented, instrument
 from fxflops.meter import Meter
 from fxflops.conventions import Convention
 from fxflops.program import Program, Term, Unsupported, backward_rule
+from fxflops.situation import mode_key
 from fxflops.verify import Verdict, verify
 
 
@@ -73,9 +74,11 @@ def trace(
     rule = backward_rule(backward)
     adapter = adapter_for(model)
     args, kwargs = adapter.prepare(args, kwargs or {})
+    modes = mode_key()
     captured = _capture(model, args, kwargs, dims, per_segment=per_segment, backward=rule == "traced", adapter=adapter)
     program = Program.from_capture(captured, model, segments, strict_metadata, rule)
     program.prepare = adapter.prepare
+    program.situation = (program.call_keys(args, kwargs), modes)
     return program
 
 
@@ -112,6 +115,7 @@ __all__ = [
     "Unsupported",
     "backend",
     "instrument",
+    "ops",
     "rules",
     "trace",
 ]

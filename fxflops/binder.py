@@ -27,6 +27,7 @@ from typing import Any
 
 import sympy
 import torch
+from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP
 from torch.utils._sympy.printers import PythonPrinter
 
 from fxflops.capture.inputs import Path, bind_call, path_label
@@ -37,9 +38,19 @@ _PRINTER = PythonPrinter()
 
 
 def python_source(expr: sympy.Expr, names: dict[sympy.Symbol, str]) -> str:
-    """Python source computing ``expr`` exactly in ints (``//`` for FloorDiv) over variables ``names``."""
+    """Python source computing ``expr`` exactly in ints (``//`` for FloorDiv) over variables ``names``,
+    as torch prints its own guards (``math.trunc``, ``torch.sym_float``: see :func:`generated`)."""
     dummies = {sym: sympy.Symbol(name, integer=True, positive=True) for sym, name in names.items()}
     return _PRINTER.doprint(sympy.sympify(expr).xreplace(dummies))
+
+
+def generated(source: str, name: str, **names: Any) -> dict[str, Any]:
+    """Run our own generated ``source`` (defining functions) in the scope torch evaluates its printed
+    guards in (``ShapeEnv.evaluate_guards_expression``: ``math``, ``torch``, ...) plus ``names``;
+    returns that scope."""
+    scope = {**SYMPY_INTERP, **names}
+    exec(compile(source, f"<fxflops {name}>", "exec"), scope)  # noqa: S102 - our own generated code
+    return scope
 
 
 class Binder:
@@ -76,6 +87,11 @@ class Binder:
         if read is None:
             read = self._by_layout[layout] = self._compile(args, kwargs)
         return read(args, kwargs)
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state["_by_layout"] = {}  # generated readers are rebuilt on first use
+        return state
 
     def _accessor(self, path: Path, positions: dict[str, str]) -> str:
         """Source text reaching the tensor at ``path`` from ``args``/``kwargs``."""
@@ -193,17 +209,18 @@ class Binder:
         body = lines + checks + self._stat_lines(positions, var)
         body.append(f"    return ({', '.join(var[s] for s in self.symbols)}{',' if self.symbols else ''})")
         source = "def read(args, kwargs):\n" + "\n".join(body) + "\n"
-        scope: dict[str, Any] = {
-            "_fail": _fail,
-            "_fail_dims": _fail_dims,
-            "_check_offsets": _check_offsets,
-            "_check_lengths": _check_lengths,
-            "_check_device": _check_device,
-            "_fail_segments": _fail_segments,
-            "_binder": self,
-            "_mul": operator.mul,
-        }
-        exec(compile(source, "<fxflops binder>", "exec"), scope)  # noqa: S102 - our own generated code
+        scope = generated(
+            source,
+            "binder",
+            _fail=_fail,
+            _fail_dims=_fail_dims,
+            _check_offsets=_check_offsets,
+            _check_lengths=_check_lengths,
+            _check_device=_check_device,
+            _fail_segments=_fail_segments,
+            _binder=self,
+            _mul=operator.mul,
+        )
         return scope["read"]
 
     def _positions(self, args: tuple, kwargs: dict, named: dict[str, Any]) -> dict[str, str]:

@@ -1,25 +1,33 @@
 """``instrument(model)``: a wrapper that counts every call's FLOPs from its shapes.
 
 The wrapper's forward runs the model unchanged and returns its output. The first call is the example:
-the model is captured symbolically (fake tensors, no real compute) into a :class:`Program`. Each call
-binds the free symbols from the argument shapes, checks the trace's guards and adds the monomial
-vector to ``wrapper.flops`` (a :class:`Meter`). Nothing is attached to the model: no hooks, no modes;
-the wrapper shares the model's parameter, buffer and submodule dicts, so ``state_dict()`` keys,
-``parameters()`` and ``.to()`` are the model's own.
+the model is captured symbolically (fake tensors, no real compute) into a :class:`Program`. Nothing is
+attached to the model: no hooks, no modes; the wrapper shares the model's parameter, buffer and
+submodule dicts, so ``state_dict()`` keys, ``parameters()`` and ``.to()`` are the model's own.
 
-A call outside every captured program's guards (or with a different input layout) is re-captured as
-a new branch of a piecewise program (``on_miss="recapture"``, the default) or refused with
-:class:`GuardError` (``on_miss="raise"``). Counting never stops training unless ``strict=True``: a
-capture that fails is reported once as a warning and the call is marked uncounted.
+A count belongs to the call that ran. Every call is matched to a program by its *situation*
+(``fxflops/situation.py``): the call (inputs present or ``None``, dtypes, devices, ``requires_grad``,
+Python arguments), the grad/autocast/attention-backend modes, and the model state the trace read
+(``training`` flags, flags and settings of modules and configs, which parameters require grad, the
+modules themselves). Within a situation, the program's guards on the sizes must hold. A call that no
+program describes is captured as a new program (``on_miss="recapture"``, the default) or refused
+with :class:`GuardError` (``on_miss="raise"``).
+
+Telemetry never stops training: unless ``strict=True``, no exception raised by fxflops while
+preparing, matching, capturing or counting a call reaches the caller — the call is counted in
+``wrapper.flops.uncounted`` and the cause is warned about once. A call layout whose capture failed is
+not traced again on every call: the refusal is kept for its situation and size class (sizes 0, 1 or
+more per dim), and a situation is tried at most :data:`MAX_ATTEMPTS` times.
 """
 
 from __future__ import annotations
 
-import contextlib
 import inspect
+import threading
 import time
 import types
 import warnings
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -27,12 +35,70 @@ import torch.utils._pytree as pytree
 
 from fxflops.capture.adapters import adapter_for
 from fxflops.capture.trace import capture
-from fxflops.errors import CaptureError, FxFlopsError, GuardError, InputError
+from fxflops.errors import CaptureError, FxFlopsError, GuardError, InputError, MetadataError
 from fxflops.meter import Meter
 from fxflops.program import Program, backward_rule
 from fxflops.routing import RoutingProbes
+from fxflops.situation import CallKeys, ModelState, describe_difference, mode_key
 
 ON_MISS = ("recapture", "raise")
+MAX_ATTEMPTS = 3  # captures tried per situation before its calls are refused outright
+
+
+@dataclass
+class _Refusal:
+    """A capture that failed: for calls of this size class with the model in this state."""
+
+    sizes: tuple
+    state: ModelState | None
+    reason: str
+
+
+@dataclass
+class _Branch:
+    """The programs of one situation (call key + modes), and the captures that failed in it."""
+
+    programs: list[Program] = field(default_factory=list)
+    refusals: list[_Refusal] = field(default_factory=list)
+    attempts: int = 0
+
+    def find(self, args: tuple, kwargs: dict) -> tuple[Program | None, tuple | str]:
+        """(program, symbol values) of the first program whose model state and guards this call meets,
+        else (None, why not). Malformed metadata raises :class:`MetadataError` (no re-capture)."""
+        miss = "no program captured yet for this situation"
+        for program in self.programs:
+            if program.state is not None and not program.state.matches():
+                miss = f"the model is not in the state the program was traced in: {program.state.mismatch()}"
+                continue
+            try:
+                values = program.binder.values(args, kwargs)
+            except MetadataError:
+                raise
+            except InputError as exc:
+                miss = str(exc)
+                continue
+            if program.within_guards(*values):
+                return program, values
+            miss = program.explain_guard_failure(values)
+        return None, miss
+
+    def refusal(self, sizes: tuple) -> str | None:
+        """Why a call of this size class is refused without another capture, or None."""
+        if self.attempts >= MAX_ATTEMPTS:
+            return f"{self.refusals[-1].reason} (after {self.attempts} failed captures of this call layout, not trying again)"
+        for refusal in self.refusals:
+            if refusal.sizes == sizes and (refusal.state is None or refusal.state.matches()):
+                return refusal.reason
+        return None
+
+
+def _size_class(args: tuple, kwargs: dict) -> tuple:
+    """Every tensor dim as 0, 1 or 2 (= more): sizes that can make a trace take another path."""
+    return tuple(
+        tuple(min(int(d), 2) for d in leaf.shape)
+        for leaf in pytree.tree_leaves((args, kwargs))
+        if isinstance(leaf, torch.Tensor)
+    )
 
 
 class Instrumented(torch.nn.Module):
@@ -71,15 +137,31 @@ class Instrumented(torch.nn.Module):
         self.strict = strict
         self.max_programs = max_programs
         self.adapter = adapter_for(model)
+        self._call_keys = CallKeys(model.forward)
         self.routing = RoutingProbes(model) if measure_routing else None
         self.programs: list[Program] = []
         self.flops = meter if meter is not None else Meter()
         self.captures = 0
+        self._branches: dict[tuple, _Branch] = {}
         self._warned: set[str] = set()
+        self._init_runtime()
+
+    def _init_runtime(self) -> None:
+        """What a copy or a load rebuilds: the forward with the model's signature, the capture lock."""
         # forward keeps the model's signature: frameworks read it (the HF Trainer keeps only the
         # dataset columns that are forward parameters, and finds label names there)
-        self.forward = types.MethodType(_with_signature(type(self).forward, model.forward), self)
-        self._failed: dict[tuple, str] = {}
+        self.forward = types.MethodType(_with_signature(type(self).forward, self.model.forward), self)
+        self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state.pop("forward", None)
+        state.pop("_lock", None)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._init_runtime()
 
     @property
     def program(self) -> Program | None:
@@ -98,29 +180,38 @@ class Instrumented(torch.nn.Module):
             return getattr(object.__getattribute__(self, "model"), name)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        args, kwargs = self._prepare(args, kwargs)
+        found = None
         try:  # found (or captured) before the model runs, so a first call's routing is measured too
+            args, kwargs = self._prepare(args, kwargs)
             found = self._program_for(args, kwargs)
-        except FxFlopsError as exc:
-            if self.strict or (self.on_miss == "raise" and isinstance(exc, GuardError)):
-                raise
-            self.flops.uncounted += 1
-            self._warn_once(str(exc))
-            found = None
-        if self.routing is not None:
-            self.routing.take()  # measurements of an earlier call that was not counted
+            if self.routing is not None:
+                self.routing.take()  # measurements of an earlier call that was not counted
+        except Exception as exc:  # noqa: BLE001 - the one fail-open boundary (module docstring)
+            self._not_counted(exc)
         out = self.model(*args, **kwargs)
         if found is not None:
-            training = self.backward != "none" and torch.is_grad_enabled() and _requires_grad(out)
-            self.flops.add(found[0], self._monomials(*found), training)
+            try:
+                training = self.backward != "none" and torch.is_grad_enabled() and _requires_grad(out)
+                self.flops.add(found[0], self._monomials(*found), training)
+            except Exception as exc:  # noqa: BLE001 - the one fail-open boundary
+                self._not_counted(exc)
         return out
+
+    def _not_counted(self, exc: Exception) -> None:
+        """A call fxflops could not count: raise when asked to, else count it as uncounted and warn once."""
+        if self.strict or (self.on_miss == "raise" and isinstance(exc, GuardError)):
+            raise exc
+        self.flops.not_counted()
+        message = str(exc) if isinstance(exc, FxFlopsError) else f"internal error {type(exc).__name__}: {exc}"
+        self._warn_once(message)
 
     def _prepare(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """The call with the metadata the model family derives added (``capture/adapters.py``): the
-        model runs it (and skips deriving it), the program binds it. A failure leaves the call as is."""
+        model runs it (and skips deriving it), the program binds it. A failure leaves the call as is
+        (the model's own code will raise it again, or the count fails open)."""
         try:
             return self.adapter.prepare(args, kwargs)
-        except Exception as exc:  # the model's own code will raise it again, or the count will fail open
+        except Exception as exc:
             if self.strict:
                 raise
             self._warn_once(f"{type(self.model).__name__}: could not derive metadata: {type(exc).__name__}: {exc}")
@@ -132,68 +223,99 @@ class Instrumented(torch.nn.Module):
         self.flops.add(program, self._monomials(program, values), training)
 
     def _program_for(self, args: tuple, kwargs: dict) -> tuple[Program, tuple[int, ...]]:
-        """The program whose guards this call meets, and its symbol values; captures a new one when
-        none does (``on_miss``); raises FxFlopsError when it cannot."""
-        miss = "no program captured yet"
-        for program in self.programs:
-            try:
-                values = program.binder.values(args, kwargs)
-            except InputError as exc:
-                miss = str(exc)
-                continue
-            if program.within_guards(*values):
-                return program, values
-            miss = program.explain_guard_failure(values)
-        if self.programs and self.on_miss == "raise":
-            raise GuardError(f"{type(self.model).__name__}: {miss}")
-        if len(self.programs) >= self.max_programs:
-            raise GuardError(
-                f"{type(self.model).__name__}: {miss}; already {len(self.programs)} programs "
-                f"(max_programs={self.max_programs}), not capturing another"
-            )
-        key = _shape_key(args, kwargs)
-        if key in self._failed:
-            raise CaptureError(self._failed[key])
-        # a program with a backward is captured with grad enabled even when this call is a no_grad
-        # forward (an evaluation before training): later training calls need its backward graph
-        grad = torch.enable_grad() if self.backward == "traced" else contextlib.nullcontext()
-        started = time.perf_counter()
-        probes = self.routing.paused() if self.routing is not None else contextlib.nullcontext()
-        try:
-            with grad, probes:
-                captured = capture(
-                    self.model,
-                    args,
-                    kwargs,
-                    self.dims,
-                    allow_pins=bool(self.programs),
-                    per_segment=self.per_segment,
-                    backward=self.backward == "traced",
-                    adapter=self.adapter,
+        """The program of this call's situation whose model state and guards it meets, and its
+        symbol values; captures a new one when none does (``on_miss``); raises FxFlopsError when
+        it cannot."""
+        situation = (self._call_keys(args, kwargs), mode_key())
+        branch = self._branches.get(situation)
+        if branch is not None:
+            program, found = branch.find(args, kwargs)
+            if program is not None:
+                return program, found
+        with self._lock:  # one capture per situation, also when two threads make its first call
+            branch = self._branches.setdefault(situation, _Branch())
+            program, miss = branch.find(args, kwargs)
+            if program is not None:
+                return program, miss
+            if not branch.programs and self.programs:
+                miss = self._nearest_difference(situation)
+            name = type(self.model).__name__
+            if self.programs and self.on_miss == "raise":
+                raise GuardError(f"{name}: {miss}")
+            if len(self.programs) >= self.max_programs:
+                raise GuardError(
+                    f"{name}: {miss}; already {len(self.programs)} programs (max_programs={self.max_programs}), "
+                    "not capturing another"
                 )
-        except CaptureError as exc:
-            self._failed[key] = str(exc)  # do not re-trace the same shapes on every call
+            sizes = _size_class(args, kwargs)
+            refused = branch.refusal(sizes)
+            if refused is not None:
+                raise CaptureError(refused)
+            program = self._capture(branch, situation, sizes, args, kwargs)
+        return program, program.binder.values(args, kwargs)
+
+    def _nearest_difference(self, situation: tuple) -> str:
+        """How this call's situation differs from the last captured one, in words."""
+        traced = next(key for key, branch in reversed(self._branches.items()) if branch.programs)
+        return f"no program for this call: {describe_difference(traced, situation)}"
+
+    def _capture(self, branch: _Branch, situation: tuple, sizes: tuple, args: tuple, kwargs: dict) -> Program:
+        """Capture this call as a new program of ``branch`` (in the call's own modes: a backward is
+        traced when grad is enabled)."""
+        started = time.perf_counter()
+        backward = self.backward == "traced" and torch.is_grad_enabled()
+        branch.attempts += 1
+        try:
+            captured = capture(
+                self.model,
+                args,
+                kwargs,
+                self.dims,
+                allow_pins=bool(self.programs),
+                per_segment=self.per_segment,
+                backward=backward,
+                adapter=self.adapter,
+            )
+            rule = self.backward if backward or self.backward != "traced" else "none"
+            program = Program.from_capture(captured, self.model, self.segments, self.strict_metadata, rule)
+        except Exception as exc:
+            reason = str(exc) if isinstance(exc, FxFlopsError) else f"capture failed: {type(exc).__name__}: {exc}"
+            branch.refusals.append(_Refusal(sizes, self._refused_state(exc), reason))
             raise
-        program = Program.from_capture(captured, self.model, self.segments, self.strict_metadata, self.backward)
+        finally:
+            self.flops.exclude_time(time.perf_counter() - started)  # capture time is not training time
         program.prepare = self.adapter.prepare
-        self.flops.exclude_time(time.perf_counter() - started)  # capture time is not training time
+        program.situation = situation
+        branch.attempts = 0
+        branch.programs.append(program)
         self.captures += 1
         self.programs.append(program)
         if self.routing is not None:
             self.routing.watch(program.experts)
-        return program, program.binder.values(args, kwargs)
+        return program
+
+    def _refused_state(self, exc: Exception) -> ModelState | None:
+        """The model state a failed capture read up to its failure (``capture()`` attaches its reads):
+        the refusal holds while the model stays in it."""
+        reads = getattr(exc, "fxflops_reads", None)
+        try:
+            return ModelState(self.model, *reads) if reads is not None else None
+        except Exception:  # noqa: BLE001 - then the refusal holds in any state
+            return None
 
     def _monomials(self, program: Program, values: tuple[int, ...]) -> tuple:
         """The call's monomials, with what the routing probes measured for MoE programs."""
         monomials = program.monomials(*values)
         if program.experts and self.routing is not None:
+            if self.routing.errors:
+                self._warn_once(f"routing not measured: {self.routing.errors.pop()}")
             return program.with_routing(monomials, self.routing.take())
         return monomials
 
     def _warn_once(self, message: str) -> None:
         if message not in self._warned:
             self._warned.add(message)
-            warnings.warn(f"fxflops: call not counted: {message}", stacklevel=3)
+            warnings.warn(f"fxflops: call not counted: {message}", stacklevel=4)
 
 
 def _with_signature(method: Any, model_forward: Any) -> Any:
@@ -216,14 +338,6 @@ def _requires_grad(out: Any) -> bool:
     return any(isinstance(t, torch.Tensor) and t.requires_grad for t in pytree.tree_leaves(out))
 
 
-def _shape_key(args: tuple, kwargs: dict) -> tuple:
-    """Every tensor's shape and every other argument's type, to recognise a repeated failing call."""
-    def describe(x: Any) -> Any:
-        return tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-
-    return tuple(map(describe, args)) + tuple((k, describe(v)) for k, v in kwargs.items())
-
-
 def instrument(
     model: torch.nn.Module,
     *,
@@ -234,7 +348,7 @@ def instrument(
     backward: bool | str = False,
     on_miss: str = "recapture",
     strict: bool = False,
-    max_programs: int = 8,
+    max_programs: int = 16,
     meter: Meter | None = None,
     measure_routing: bool = False,
 ) -> Instrumented:
@@ -244,7 +358,8 @@ def instrument(
     :func:`fxflops.trace` (``dims=None``: every input dim free unless the code pins it; segment
     families found automatically). With ``backward``, a call made with grad enabled whose output
     requires grad counts its backward (and recompute) too, on the assumption that a backward from its
-    output follows; a forward under ``torch.no_grad()`` counts the forward only.
+    output follows; a forward under ``torch.no_grad()`` is its own situation, captured and counted as
+    a forward.
 
     ``meter`` shares one Meter between several wrappers: the pipeline stages or virtual-pipeline chunks
     a rank runs, each instrumented on its own, count every layer once however the schedule interleaves
@@ -253,6 +368,8 @@ def instrument(
     ``measure_routing`` wraps the expert modules of mixture-of-experts programs so that each call also
     measures the FLOPs its dispatch really computed (``fxflops/routing.py``), which the ``moe="actual"``
     convention reports; without it only ``moe="model"`` (top_k × tokens) is available.
+
+    ``max_programs`` bounds the programs (situations and guard branches) captured per wrapper.
     """
     return Instrumented(
         model, dims, segments, per_segment, strict_metadata, backward, on_miss, strict, max_programs, meter,

@@ -15,11 +15,14 @@ collective, then starts over.
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
+
+from fxflops.situation import STRUCTURE
 
 if TYPE_CHECKING:
     from fxflops.conventions import Convention
@@ -39,19 +42,37 @@ class Meter:
         self.uncounted = 0
         self.steps = 0
         self._started = time.perf_counter()
+        self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state.pop("_lock", None)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+        # accumulators are keyed by the identity of their (loaded) programs
+        self._sums = {(id(entry[0]), *key[1:]): entry for key, entry in self._sums.items()}
+
+    def not_counted(self) -> None:
+        """One call that could not be counted."""
+        with self._lock:
+            self.uncounted += 1
 
     def add(self, program: Program, monomials: tuple[int, ...], training: bool = True, prefix: str = "") -> None:
         """Add one call's monomial vector for ``program`` (``training=False``: forward only).
         ``prefix`` is the module path the program's root ran at (a compiled graph of a submodule)."""
         key = (id(program), training, prefix)
-        entry = self._sums.get(key)
-        if entry is None:
-            self._sums[key] = (program, list(monomials), training, prefix)
-        else:
-            acc = entry[1]
-            for i, m in enumerate(monomials):
-                acc[i] += m
-        self.calls += 1
+        with self._lock:  # calls from several threads add up exactly
+            entry = self._sums.get(key)
+            if entry is None:
+                self._sums[key] = (program, list(monomials), training, prefix)
+            else:
+                acc = entry[1]
+                for i, m in enumerate(monomials):
+                    acc[i] += m
+            self.calls += 1
 
     def _on_host(self) -> list[tuple[Program, list[int], bool, str]]:
         """Each accumulator as Python ints (one device-to-host copy per device)."""
@@ -113,8 +134,11 @@ class Meter:
         self._started += seconds
 
     def step(self) -> None:
-        """Close an optimizer step (after its microbatches): reports average over steps."""
+        """Close an optimizer step (after its microbatches): reports average over steps. The
+        structure of every instrumented model is checked again on its next call (what torch's
+        registration hooks do not see: ``param.data = ...``, a hook added; ``fxflops/situation.py``)."""
         self.steps += 1
+        STRUCTURE.bump()
 
     def symbol_total(self, name: str, _hosted: list | None = None) -> int:
         """Sum over the counted calls of one symbol's value (e.g. ``"tokens"``), 0 if no program has it."""

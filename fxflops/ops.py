@@ -61,6 +61,38 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, causal=False):
     return q.new_empty(q.shape[0], q.shape[1], v.shape[2])
 
 
+def _attend_backward(
+    grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of one segment's attention, in closed form (no autograd or functorch inside the op,
+    so it runs under any dispatch mode: FlopCounterMode, profilers). With S = Q·Kᵀ·c (c = 1/√D, causal
+    entries -∞), P = softmax(S), O = P·V:
+
+        dV = Pᵀ·dO,   dP = dO·Vᵀ,   dS = P ∘ (dP − rowsum(dO ∘ O)),   dQ = c·dS·K,   dK = c·dSᵀ·Q,
+
+    per head; a key/value head shared by ``groups`` query heads (GQA) sums their dK, dV."""
+    groups = q.shape[1] // k.shape[1]
+    qh, kh, vh = q.transpose(0, 1), k.repeat_interleave(groups, dim=1).transpose(0, 1), v.repeat_interleave(groups, dim=1).transpose(0, 1)
+    scale = q.shape[-1] ** -0.5
+    scores = torch.matmul(qh, kh.transpose(1, 2)) * scale
+    if causal:
+        mask = torch.ones(q.shape[0], k.shape[0], dtype=torch.bool, device=q.device).triu(1)
+        scores = scores.masked_fill(mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    d_out = grad_out.transpose(0, 1)
+    out = torch.matmul(probs, vh)
+    d_v = torch.matmul(probs.transpose(1, 2), d_out)
+    d_probs = torch.matmul(d_out, vh.transpose(1, 2))
+    d_scores = probs * (d_probs - (d_out * out).sum(-1, keepdim=True))
+    d_q = torch.matmul(d_scores, kh) * scale
+    d_k = torch.matmul(d_scores.transpose(1, 2), qh) * scale
+
+    def per_kv_head(grad: torch.Tensor) -> torch.Tensor:  # (H, s, D) -> (s, H_kv, D), summed over each group
+        return grad.reshape(k.shape[1], groups, *grad.shape[1:]).sum(1).transpose(0, 1)
+
+    return d_q.transpose(0, 1), per_kv_head(d_k), per_kv_head(d_v)
+
+
 @torch.library.custom_op("fxflops::varlen_attention_backward", mutates_args=())
 def varlen_attention_backward(
     grad_out: torch.Tensor,
@@ -71,14 +103,11 @@ def varlen_attention_backward(
     cu_seqlens_k: torch.Tensor,
     causal: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of :func:`varlen_attention` w.r.t. q, k, v (per segment, by autograd of the math)."""
+    """Gradients of :func:`varlen_attention` w.r.t. q, k, v (per segment, :func:`_attend_backward`)."""
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     for (q0, q1), (k0, k1) in zip(_segments(cu_seqlens_q), _segments(cu_seqlens_k)):
         if q1 > q0 and k1 > k0:
-            _, vjp = torch.func.vjp(
-                lambda a, b, c: _attend(a, b, c, causal), q[q0:q1], k[k0:k1], v[k0:k1]
-            )
-            dq[q0:q1], dk[k0:k1], dv[k0:k1] = vjp(grad_out[q0:q1])
+            dq[q0:q1], dk[k0:k1], dv[k0:k1] = _attend_backward(grad_out[q0:q1], q[q0:q1], k[k0:k1], v[k0:k1], causal)
     return dq, dk, dv
 
 

@@ -26,7 +26,7 @@ import sympy
 import torch
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
-from fxflops.binder import Binder, python_source
+from fxflops.binder import Binder, generated, python_source
 from fxflops.capture.adapters import Adapter
 from fxflops.capture.inputs import path_label
 import fxflops.capture.reuse  # noqa: F401 - registers fxflops::repeat_layer
@@ -35,10 +35,11 @@ from fxflops.capture.phases import phase_of
 from fxflops.capture.segments import ELEMENT, Family, SegmentAnalysis, op_name
 from fxflops.capture.trace import Captured, Guard
 from fxflops.conventions import FLOPCOUNTER, Convention
-from fxflops.errors import CaptureError, GuardError, UnboundSymbolError
+from fxflops.errors import CaptureError, GuardError, InputError, UnboundSymbolError
 from fxflops.rules import entry_for, segment_args
 from fxflops.rules.elementwise import elementwise_flops
 from fxflops.rules.not_counted import is_not_counted, touches_floats
+from fxflops.situation import CallKeys, ModelState, describe_difference
 
 PHASES = ("fwd", "bwd", "recompute")
 _CALLS, _MEASURED = sympy.Symbol("calls"), sympy.Symbol("measured_calls")  # bookkeeping columns of MoE programs
@@ -453,6 +454,39 @@ def _depth(path: str) -> int:
     return 0 if path == "" else path.count(".") + 1
 
 
+_PROBES = (2, 3, 5, 7, 16, 100, 4097)
+
+
+def _exactly(guard: sympy.Basic, symbols: tuple[sympy.Symbol, ...]) -> Callable[..., bool] | None:
+    """None when the guard's printed Python (see ``binder.generated``) evaluates as sympy does at a
+    few probe points; otherwise an exact evaluator by substitution (slower, but never wrong)."""
+    names = {sym: f"v{i}" for i, sym in enumerate(symbols)}
+    params = ", ".join(names.values())
+    try:
+        printed = generated(f"def guard({params}):\n    return bool({python_source(guard, names)})\n", "guard")["guard"]
+    except Exception:  # noqa: BLE001 - a form the printer cannot write as Python
+        printed = None
+    for value in _PROBES:
+        point = {sym: value for sym in symbols}
+        expected = _substituted(guard, point)
+        try:
+            agrees = printed is not None and (expected is None or printed(*point.values()) == expected)
+        except Exception:  # noqa: BLE001 - e.g. a name the printed form needs and the scope lacks
+            agrees = False
+        if not agrees:
+            return lambda *values: bool(_substituted(guard, dict(zip(symbols, values))))
+    return None
+
+
+def _substituted(guard: sympy.Basic, point: dict) -> bool | None:
+    """The guard's truth at ``point`` by sympy substitution (None if sympy cannot decide it)."""
+    try:
+        value = guard.xreplace({sym: sympy.Integer(v) for sym, v in point.items()})
+        return bool(value) if value in (sympy.true, sympy.false) or isinstance(value, bool) else None
+    except (TypeError, ValueError, ZeroDivisionError):
+        return None
+
+
 def _ancestors(path: str) -> list[str]:
     """``"a.b.c"`` -> ``["", "a", "a.b", "a.b.c"]``."""
     parts = path.split(".") if path else []
@@ -492,6 +526,9 @@ class Program:
         self.guards = guards
         self.binder = binder
         self.prepare: Callable[[tuple, dict], tuple[tuple, dict]] = Adapter().prepare  # see capture/adapters.py
+        self.situation: tuple | None = None  # (call key, mode key) of the traced call (fxflops/situation.py)
+        self.call_keys = CallKeys(binder._forward)
+        self.state: ModelState | None = None  # the model state it was traced in
         self.tree = nx.DiGraph()
         self.tree.add_node("")
         for path in [*module_paths, *(t.module for t in terms)]:
@@ -542,6 +579,8 @@ class Program:
         program.notes = list(dict.fromkeys(notes))
         program.reused = dict(captured.reused)  # layers billed as repeats of a traced layer (capture/reuse.py)
         program.backward = backward
+        if isinstance(model, torch.nn.Module):  # the model state the trace depended on (fxflops/situation.py)
+            program.state = ModelState(model, captured.reads, captured.copies, captured.grad)
         if backward == "2x":
             program.convention = FLOPCOUNTER.but(backward="2x")
         return program
@@ -624,19 +663,39 @@ class Program:
         self.routed = tuple(sympy.Symbol(f"routed_{i}") for i in range(len(self.experts)))
         bookkeeping = (_CALLS, _MEASURED) if self.experts else ()
         self.basis: tuple[sympy.Expr, ...] = regular + self.routed + bookkeeping
+        self._generate()
+
+    def _generate(self) -> None:
+        """``monomials(*values)`` and ``within_guards(*values)``: generated Python over the binder's
+        symbol order (rebuilt after a copy or a load: generated code is not pickled)."""
         names = {sym: f"v{i}" for i, sym in enumerate(self.all_symbols)}
         params = ", ".join(names.values())
+        regular = self.basis[: len(self.basis) - len(self.routed) - (2 if self.experts else 0)]
         tail = ["0"] * len(self.routed) + (["1", "0"] if self.experts else [])
         monomials = ", ".join([python_source(m, names) for m in regular] + tail)
-        checks = " and ".join(f"({python_source(g.expr, names)})" for g in self.guards) or "True"
-        scope: dict[str, Any] = {}
-        exec(  # noqa: S102 - generated from our own sympy expressions
+        exact = [_exactly(g.expr, self.all_symbols) for g in self.guards]
+        checks = " and ".join(
+            f"({python_source(g.expr, names)})" if evaluator is None else f"_exact[{i}]({params})"
+            for i, (g, evaluator) in enumerate(zip(self.guards, exact))
+        ) or "True"
+        scope = generated(
             f"def monomials({params}):\n    return ({monomials}{',' if self.basis else ''})\n"
             f"def within_guards({params}):\n    return {checks}\n",
-            scope,
+            "program",
+            _exact=exact,
         )
         self.monomials: Callable[..., tuple[int, ...]] = scope["monomials"]
         self.within_guards: Callable[..., bool] = scope["within_guards"]
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        for generated_code in ("monomials", "within_guards"):
+            state.pop(generated_code, None)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._generate()
 
     def with_routing(self, monomials: tuple, measured: dict[str, Any]) -> tuple:
         """One call's monomials with the forward FLOPs its expert modules measured (``fxflops/routing.py``)
@@ -727,8 +786,29 @@ class Program:
 
     def values(self, *args: Any, **kwargs: Any) -> tuple[int, ...]:
         """The symbol values of the call ``model(*args, **kwargs)``, in ``all_symbols`` order (the
-        model family's adapter first adds the metadata the model would derive, see ``prepare``)."""
-        return self.binder.values(*self.prepare(args, kwargs))
+        model family's adapter first adds the metadata the model would derive, see ``prepare``).
+        Raises :class:`GuardError` when the call or the model is not in the situation the program
+        was traced in (another input present or ``None``, another Python argument, a module's
+        ``training`` flag flipped, ...; ``fxflops/situation.py``)."""
+        args, kwargs = self.prepare(args, kwargs)
+        self.check_situation(args, kwargs)
+        return self.binder.values(args, kwargs)
+
+    def check_situation(self, args: tuple, kwargs: dict) -> None:
+        """Raise when ``model(*args, **kwargs)`` (already prepared) is not a call of the traced
+        situation: :class:`InputError` naming the input when the call differs (another input present
+        or ``None``, another dtype, rank or Python argument), :class:`GuardError` when the model's
+        state does. Grad and autocast modes are not part of this check: it counts the call as traced."""
+        if self.situation is not None and (key := self.call_keys(args, kwargs)) != self.situation[0]:
+            try:
+                self.binder.values(args, kwargs)  # its message names the dim when a shape is off
+            except InputError:
+                raise
+            except Exception:  # noqa: BLE001 - described below instead
+                pass
+            raise InputError(f"this call is not the traced one: {describe_difference(self.situation, (key, self.situation[1]))}")
+        if self.state is not None and not self.state.matches():
+            raise GuardError(f"the model is not in the state it was traced in: {self.state.mismatch()}")
 
     def count(self, *args: Any, **kwargs: Any) -> int:
         """FLOPs of ``model(*args, **kwargs)`` from the batch's shapes, without running the model."""

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from fxflops.capture.scope import capturing
 from fxflops.rules import entry_for
 from fxflops.rules.registry import shape_of
 
@@ -46,27 +47,59 @@ def dispatched_flops(func: Any, args: tuple, kwargs: dict, out: Any) -> Any:
 
 
 class MatmulMeasure(TorchDispatchMode):
-    """Adds up :func:`dispatched_flops` of every op run while active (``.flops``)."""
+    """Adds up :func:`dispatched_flops` of every op run while active (``.flops``). The model's ops
+    run and raise as they would; a failure of the accounting itself never reaches the model: it is
+    kept in ``error`` and the measurement is void."""
 
     def __init__(self) -> None:
         super().__init__()
         self.flops: Any = 0
+        self.error: Exception | None = None
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        self.flops = self.flops + dispatched_flops(func, args, kwargs, out)
+        if self.error is None:
+            try:
+                self.flops = self.flops + dispatched_flops(func, args, kwargs, out)
+            except Exception as exc:  # noqa: BLE001 - telemetry never breaks the model's forward
+                self.error = exc
+        return out
+
+
+class MeasuredForward:
+    """An expert module's forward run under :class:`MatmulMeasure`, its FLOPs added to the probes'
+    ``measured`` (a picklable object, so that a model carrying probes can still be saved). Not part
+    of the model's structure for call situations (``fxflops/situation.py``): ``fxflops_probe``."""
+
+    fxflops_probe = True
+
+    def __init__(self, probes: RoutingProbes, path: str, forward: Callable[..., Any]) -> None:
+        self.probes, self.path, self.forward = probes, path, forward
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if capturing():  # a capture traces the module's own forward
+            return self.forward(*args, **kwargs)
+        with MatmulMeasure() as measure:
+            out = self.forward(*args, **kwargs)
+        if measure.error is None:
+            measured = self.probes.measured
+            measured[self.path] = measured.get(self.path, 0) + measure.flops
+        else:  # this call's routing is not measured (moe="actual" then refuses it, naming the modules)
+            self.probes.errors.append(f"{self.path}: {type(measure.error).__name__}: {measure.error}")
         return out
 
 
 class RoutingProbes:
-    """Measuring wrappers on the expert modules of a model (installed while counting, removed while
-    capturing); ``take()`` returns and clears ``{module path: forward FLOPs}`` since the last take."""
+    """Measuring wrappers on the expert modules of a model (inactive while capturing); ``take()``
+    returns and clears ``{module path: forward FLOPs}`` since the last take; ``errors`` lists
+    measurements that failed (their calls count as not measured)."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
         self.paths: set[str] = set()
         self.measured: dict[str, Any] = {}
+        self.errors: list[str] = []
 
     def watch(self, paths: tuple[str, ...]) -> None:
         """Measure the modules at ``paths`` from now on."""
@@ -77,28 +110,7 @@ class RoutingProbes:
 
     def _install(self, path: str) -> None:
         module = self.model.get_submodule(path)
-        original: Callable[..., Any] = type(module).forward.__get__(module)
-
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            with MatmulMeasure() as measure:
-                out = original(*args, **kwargs)
-            self.measured[path] = self.measured.get(path, 0) + measure.flops
-            return out
-
-        module.forward = forward
-
-    @contextlib.contextmanager
-    def paused(self) -> Iterator[None]:
-        """The wrappers taken off (while capturing: the trace must see the module's own forward)."""
-        for path in self.paths:
-            module = self.model.get_submodule(path)
-            if "forward" in module.__dict__:
-                del module.forward
-        try:
-            yield
-        finally:
-            for path in self.paths:
-                self._install(path)
+        module.forward = MeasuredForward(self, path, type(module).forward.__get__(module))
 
     def take(self) -> dict[str, Any]:
         measured, self.measured = self.measured, {}

@@ -257,11 +257,11 @@ def test_nested_and_keyword_inputs_bind_by_name_in_any_layout():
     x, extras, mask = torch.randn(2, 5, 8), [torch.randn(2, 3, 8), torch.randn(2, 7, 8)], torch.ones(2, 5, 1)
     dims = {"x": {1: "seq"}, "extras_0": {1: "a"}, "extras_1": {1: "b"}, "mask": {1: "seq"}}
     wrapper = fxflops.instrument(model, dims=dims, on_miss="raise")
-    wrapper(x, extras, mask, scale=2.0)
+    wrapper(x, extras, mask)
     x2, extras2, mask2 = torch.randn(2, 9, 8), [torch.randn(2, 4, 8), torch.randn(2, 1, 8)], torch.ones(2, 9, 1)
     expected = reference_counts(model, x2, extras2, mask2)[""]
-    for call in (
-        lambda: wrapper(x2, extras2, mask2, scale=0.5),
+    for call in (  # one call in three layouts, the default scale given or left out: one situation
+        lambda: wrapper(x2, extras2, mask2, scale=1.0),
         lambda: wrapper(x2, extras=extras2, mask=mask2),
         lambda: wrapper(mask=mask2, extras=extras2, x=x2),
     ):
@@ -272,6 +272,12 @@ def test_nested_and_keyword_inputs_bind_by_name_in_any_layout():
     assert [str(s) for s in wrapper.program.symbols] == ["a", "b", "seq"]
     with pytest.raises(fxflops.InputError, match="'mask' dim 1 is 4.*= seq"):
         wrapper.program.count(x2, extras2, torch.ones(2, 4, 1))
+    # a Python argument that reaches the traced code is part of the call: another scale is another
+    # situation (refused here, on_miss="raise"; captured by default)
+    with pytest.raises(fxflops.GuardError, match="'scale' is 0.5, the program was traced with 1.0"):
+        wrapper(x2, extras2, mask2, scale=0.5)
+    with pytest.raises(fxflops.InputError, match="'scale' is 0.5"):
+        wrapper.program.count(x2, extras2, mask2, scale=0.5)
 
 
 def test_reserved_symbol_names_are_refused():

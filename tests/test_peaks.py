@@ -126,14 +126,21 @@ def test_dtype_the_device_lacks_is_unknown():
     assert flops is None and "TF32" in reason
 
 
-def test_float32_follows_the_tf32_setting(monkeypatch):
+def test_float32_follows_the_tf32_setting():
+    """Set with torch's own setters and restored in ``finally``: pytest's monkeypatch cannot undo
+    ``fp32_precision`` (torch serves it through ``__getattr__``; pytest 9.2 fails the undo)."""
     name = "NVIDIA H100 80GB HBM3"
-    assert torch.backends.cuda.matmul.fp32_precision != "tf32"  # PyTorch's default: full FP32
+    matmul = torch.backends.cuda.matmul
+    assert matmul.fp32_precision != "tf32"  # PyTorch's default: full FP32
     assert lookup_peak(name, FP32)[0] == 67 * TF
-    monkeypatch.setattr(torch.backends.cuda.matmul, "fp32_precision", "tf32")
-    assert lookup_peak(name, FP32)[0] == 989 * TF / 2
-    assert lookup_peak(name, FP32, tf32=False)[0] == 67 * TF  # an explicit choice wins
-    monkeypatch.undo()
+    before = matmul.fp32_precision
+    matmul.fp32_precision = "tf32"
+    try:
+        assert lookup_peak(name, FP32)[0] == 989 * TF / 2
+        assert lookup_peak(name, FP32, tf32=False)[0] == 67 * TF  # an explicit choice wins
+    finally:
+        matmul.fp32_precision = before
+    assert lookup_peak(name, FP32)[0] == 67 * TF
     torch.set_float32_matmul_precision("high")  # the legacy switch reads the same
     try:
         assert lookup_peak(name, FP32)[0] == 989 * TF / 2

@@ -86,8 +86,12 @@ def test_forward_under_no_grad_counts_forward_only():
         wrapper(ids)
     assert wrapper.flops.total(phase="bwd") == 0
     assert wrapper.flops.total() == wrapper.program.total(phase="fwd", input_ids_0=2, input_ids_1=9)
+    assert wrapper.program.backward == "none"  # grad mode is part of the situation: a forward program
     wrapper(ids)
-    assert wrapper.flops.total(phase="bwd") == wrapper.program.total(phase="bwd", input_ids_0=2, input_ids_1=9)
+    training = wrapper.programs[-1]
+    assert wrapper.captures == 2 and training.backward == "traced"
+    assert wrapper.flops.total(phase="bwd") == training.total(phase="bwd", input_ids_0=2, input_ids_1=9) > 0
+    assert training.total(phase="fwd", input_ids_0=2, input_ids_1=9) == wrapper.program.total(input_ids_0=2, input_ids_1=9)
 
 
 def test_partially_frozen_model_counts_only_the_gradients_autograd_computes():

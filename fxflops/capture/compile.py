@@ -39,6 +39,7 @@ from torch.fx.experimental.symbolic_shapes import DimDynamic
 
 from fxflops.binder import python_source
 from fxflops.capture.phases import run_backward, tagging_recompute
+from fxflops.capture.scope import capture_scope
 from fxflops.capture.shape_env import BlamingShapeEnv, format_location
 from fxflops.capture.trace import Captured, Guard, _no_stack_traces, named_symbol
 from fxflops.errors import CaptureError, FxFlopsError
@@ -124,7 +125,7 @@ def capture_graph(gm: torch.fx.GraphModule, example_inputs: list[Any], backward:
 
     try:
         # outside Dynamo's tracing context, whose fake mode make_fx would otherwise adopt
-        with torch._guards.tracing(None), unset_fake_temporarily(), fx_config.patch(backed_size_oblivious=True), \
+        with capture_scope(), torch._guards.tracing(None), unset_fake_temporarily(), fx_config.patch(backed_size_oblivious=True), \
                 _no_stack_traces(), tagging_recompute(), mode:
             traced = make_fx(run, tracing_mode="symbolic", _allow_non_fake_inputs=True)(*inputs)
     except Exception as exc:

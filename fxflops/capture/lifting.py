@@ -44,6 +44,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
 from torch.fx.experimental.symbolic_shapes import DimDynamic
 
+from fxflops.capture.reuse import layer_attributes, layer_state
+from fxflops.capture.scope import capturing
 from fxflops.capture.segments import op_name
 from fxflops.errors import CaptureError
 
@@ -96,6 +98,7 @@ class Lifted:
     graph_module: torch.fx.GraphModule
     in_s: Any
     conditions: tuple[sympy.Expr, ...] = ()
+    path: str = ""  # the module traced; others of the same kind and call are billed as copies of it
 
 
 class _OffsetsValues:
@@ -239,7 +242,7 @@ def trace_segment(
     structure = gm.meta["output_structure"][1]
     output = next(n for n in gm.graph.nodes if n.op == "output").args[0][: sum(leaf is TENSOR for leaf in structure)]
     outs = [(tuple(in_s(d) for d in o.meta["val"].shape), o.meta["val"].dtype) for o in output]
-    return Lifted(gm, in_s, tuple(conditions)), outs
+    return Lifted(gm, in_s, tuple(conditions), path), outs
 
 
 def _is_bound(condition: sympy.Basic) -> bool:
@@ -254,11 +257,13 @@ def lifted_paths(model: torch.nn.Module, patterns: dict[str, str]) -> list[str]:
 
 @contextlib.contextmanager
 def install_stand_ins(
-    model: torch.nn.Module, patterns: dict[str, str], backward: bool = False
+    model: torch.nn.Module, patterns: dict[str, str], backward: bool = False, ignored: frozenset[str] = frozenset()
 ) -> Iterator[dict[str, Lifted]]:
     """Replace the forward of every module matching ``patterns`` by a lifting stand-in for the
-    duration of a capture; yields ``{module path: Lifted}`` filled as the capture calls them. With
-    ``backward`` each one-segment trace is a joint forward+backward trace."""
+    duration of a capture (in the capturing thread: others run the real forward); yields
+    ``{module path: Lifted}`` filled as the capture calls them. With ``backward`` each one-segment
+    trace is a joint forward+backward trace. Modules of one kind (reuse's strict match, ``ignored``
+    attributes aside) called the same way are traced once; ``Lifted.path`` names the one traced."""
     lifted: dict[str, Lifted] = {}
     if not patterns:
         yield lifted
@@ -274,7 +279,7 @@ def install_stand_ins(
         raise CaptureError(f"per_segment pattern(s) {unmatched} match no module of {type(model).__name__}")
     cache: dict[tuple, tuple[Lifted, list]] = {}
     for path, (module, offsets_name) in matches.items():
-        module.forward = _stand_in(module, path, offsets_name, lifted, cache, backward)
+        module.forward = _stand_in(module, path, offsets_name, lifted, cache, backward, ignored)
     try:
         yield lifted
     finally:
@@ -282,31 +287,38 @@ def install_stand_ins(
             del module.forward
 
 
-def _stand_in(module: torch.nn.Module, path: str, offsets_name: str, lifted: dict, cache: dict, backward: bool) -> Any:
+def _stand_in(
+    module: torch.nn.Module, path: str, offsets_name: str, lifted: dict, cache: dict, backward: bool, ignored: frozenset[str]
+) -> Any:
     from fxflops.capture.trace import TENSOR
 
-    signature = inspect.signature(type(module).forward.__get__(module))
+    original = type(module).forward.__get__(module)
+    signature = inspect.signature(original)
+    tracing_segment = [False]
 
     def forward(*args: Any, **kwargs: Any) -> Any:
+        if tracing_segment[0] or not capturing():  # the one-segment trace itself, or another thread
+            return original(*args, **kwargs)
         bound = signature.bind(*args, **kwargs)
         packed = next(v for v in pytree.tree_leaves((bound.args, bound.kwargs)) if isinstance(v, torch.Tensor))
         offsets = bound.arguments[offsets_name]
         _tie_to_rows(bound, packed.shape[0], offsets)
-        key = (
+        key = (  # the same kind of module (reuse's strict match), called the same way
             type(module),
-            tuple(tuple(p.shape) for p in module.parameters()),
+            layer_state(module),
+            layer_attributes(module, ignored),
             tuple(
                 (type(v).__name__, v.dtype, v.dim()) if isinstance(v, torch.Tensor) else repr(v)
                 for v in pytree.tree_leaves((bound.args, bound.kwargs))
             ),
         )
         if key not in cache:
-            del module.forward  # the single-segment trace runs the real forward
+            tracing_segment[0] = True  # the single-segment trace runs the real forward
             try:
                 with disable_proxy_modes_tracing(), unset_fake_temporarily():
                     cache[key] = trace_segment(module, path, bound, offsets_name, backward)
             finally:
-                module.forward = forward
+                tracing_segment[0] = False
         lifted[path], outs = cache[key]
         markers = []
         for i, (shape, dtype) in enumerate(outs):

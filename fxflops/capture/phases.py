@@ -26,6 +26,8 @@ import torch.fx.traceback as fx_traceback
 import torch.utils.checkpoint as checkpoint_module
 from torch._functorch._aot_autograd.logging_utils import setup_stacktrace_preservation_hooks_from_tensors
 
+from fxflops.capture.scope import patched
+
 PHASE_KEY = "fxflops_phase"
 _state = {"in_backward": False}
 
@@ -48,9 +50,8 @@ def _recomputing(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 @contextlib.contextmanager
 def tagging_recompute() -> Iterator[None]:
-    """Wrap checkpointing's recomputation callables so their ops are tagged ``recompute``."""
-    frame_init = checkpoint_module._CheckpointFrame.__init__
-    reentrant_forward = checkpoint_module.CheckpointFunction.forward
+    """Wrap checkpointing's recomputation callables so their ops are tagged ``recompute`` (in the
+    capturing thread only, ``capture/scope.py``)."""
 
     def init(self, recompute_fn, *args: Any, **kwargs: Any) -> None:
         frame_init(self, _recomputing(recompute_fn), *args, **kwargs)
@@ -58,14 +59,10 @@ def tagging_recompute() -> Iterator[None]:
     def forward(ctx, run_function, preserve_rng_state, *args):
         return reentrant_forward(ctx, _recomputing(run_function), preserve_rng_state, *args)
 
-    checkpoint_module._CheckpointFrame.__init__ = init
-    checkpoint_module.CheckpointFunction.forward = staticmethod(forward)
-    try:
-        with fx_traceback.preserve_node_meta():
-            yield
-    finally:
-        checkpoint_module._CheckpointFrame.__init__ = frame_init
-        checkpoint_module.CheckpointFunction.forward = staticmethod(reentrant_forward)
+    with patched(checkpoint_module._CheckpointFrame, "__init__", init) as frame_init, \
+            patched(checkpoint_module.CheckpointFunction, "forward", forward) as reentrant_forward, \
+            fx_traceback.preserve_node_meta():
+        yield
 
 
 def run_backward(outputs: list[torch.Tensor], leaves: list[torch.Tensor]) -> list[torch.Tensor]:

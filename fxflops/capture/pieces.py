@@ -11,7 +11,7 @@ embeddings. Splitting and concatenating move data and do no arithmetic, and
 but a symbolic trace cannot make a Python list of k pieces without fixing k, the number of images.
 
 :func:`packed_pieces` wraps named methods of a model (the *feature getters*) for the duration of a
-capture. Inside one of them, and only there:
+capture, in the capturing thread only (``capture/scope.py``). Inside one of them, and only there:
 
 - ``tensor.tolist()`` of an integer tensor whose length is a free size symbol returns a
   :class:`SymbolicSections` placeholder instead of a list of fixed length;
@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
+from fxflops.capture.scope import capturing, patched
 from fxflops.errors import CaptureError
 
 
@@ -61,16 +62,14 @@ def _symbolic_length(tensor: torch.Tensor) -> bool:
 
 
 @contextlib.contextmanager
-def packed_pieces(owner: Any, getters: tuple[str, ...]) -> Iterator[None]:
-    """For the duration of a capture, run ``owner``'s methods named ``getters`` (those it has) with
-    per-item pieces kept packed (see the module docstring)."""
-    getters = tuple(name for name in getters if callable(getattr(owner, name, None)))
-    if not getters:
+def packed_pieces(owners: list[Any], getters: tuple[str, ...]) -> Iterator[None]:
+    """For the duration of a capture, run the methods named ``getters`` of each of ``owners`` (those
+    it has) with per-item pieces kept packed (see the module docstring)."""
+    wrapped = [(owner, name) for owner in owners for name in getters if callable(getattr(owner, name, None))]
+    if not wrapped:
         yield
         return
-    inside: list[str] = []  # the feature getters being run, innermost last
-    tensor_tolist, fake_tolist = torch.Tensor.tolist, FakeTensor.tolist
-    split_function, split_method, tensor_iter, tensor_len = torch.split, torch.Tensor.split, torch.Tensor.__iter__, torch.Tensor.__len__
+    inside: list[str] = []  # the feature getters being run, innermost last (capturing thread only)
 
     def sections_or(original: Any) -> Any:
         def tolist(self: torch.Tensor) -> Any:
@@ -101,8 +100,10 @@ def packed_pieces(owner: Any, getters: tuple[str, ...]) -> Iterator[None]:
             raise TypeError("the number of items is symbolic")
         return tensor_len(self)
 
-    def wrap(name: str, method: Any) -> Any:
+    def wrap(owner: Any, name: str, method: Any) -> Any:
         def getter(*args: Any, **kwargs: Any) -> Any:
+            if not capturing():  # another thread running the model meanwhile
+                return method(*args, **kwargs)
             inside.append(f"{type(owner).__name__}.{name}")
             try:
                 return method(*args, **kwargs)
@@ -111,19 +112,22 @@ def packed_pieces(owner: Any, getters: tuple[str, ...]) -> Iterator[None]:
 
         return getter
 
-    own = {name: owner.__dict__[name] for name in getters if name in owner.__dict__}
-    for name in getters:
-        setattr(owner, name, wrap(name, getattr(owner, name)))
-    torch.Tensor.tolist, FakeTensor.tolist = sections_or(tensor_tolist), sections_or(fake_tolist)
-    torch.split, torch.Tensor.split, torch.Tensor.__iter__, torch.Tensor.__len__ = split, split_method_, iterate, length
+    own = {(id(owner), name): owner.__dict__[name] for owner, name in wrapped if name in owner.__dict__}
+    for owner, name in wrapped:
+        setattr(owner, name, wrap(owner, name, getattr(owner, name)))
     try:
-        yield
+        with contextlib.ExitStack() as stack:
+            tensor_tolist = stack.enter_context(patched(torch.Tensor, "tolist", lambda self: tolist_tensor(self)))
+            fake_tolist = stack.enter_context(patched(FakeTensor, "tolist", lambda self: tolist_fake(self)))
+            tolist_tensor, tolist_fake = sections_or(tensor_tolist), sections_or(fake_tolist)
+            split_function = stack.enter_context(patched(torch, "split", split))
+            split_method = stack.enter_context(patched(torch.Tensor, "split", split_method_))
+            tensor_iter = stack.enter_context(patched(torch.Tensor, "__iter__", iterate))
+            tensor_len = stack.enter_context(patched(torch.Tensor, "__len__", length))
+            yield
     finally:
-        torch.Tensor.tolist, FakeTensor.tolist = tensor_tolist, fake_tolist
-        torch.split, torch.Tensor.split, torch.Tensor.__iter__ = split_function, split_method, tensor_iter
-        torch.Tensor.__len__ = tensor_len
-        for name in getters:
-            if name in own:
-                setattr(owner, name, own[name])
+        for owner, name in wrapped:
+            if (id(owner), name) in own:
+                setattr(owner, name, own[(id(owner), name)])
             else:
                 delattr(owner, name)

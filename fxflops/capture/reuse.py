@@ -37,6 +37,8 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
+from fxflops.capture.scope import capturing
+
 _PLAIN = (bool, int, float, str, type(None))
 
 
@@ -82,7 +84,7 @@ class Reuse:
     templates: dict[str, str] = field(default_factory=dict)
 
 
-def _attributes(module: torch.nn.Module, ignored: frozenset[str]) -> tuple:
+def layer_attributes(module: torch.nn.Module, ignored: frozenset[str]) -> tuple:
     """The plain attributes of ``module`` and its submodules, except those named in ``ignored``."""
     found = []
     for path, sub in module.named_modules():
@@ -94,7 +96,7 @@ def _attributes(module: torch.nn.Module, ignored: frozenset[str]) -> tuple:
     return tuple(found)
 
 
-def _state(module: torch.nn.Module) -> tuple:
+def layer_state(module: torch.nn.Module) -> tuple:
     return tuple(
         (name, tuple(t.shape), t.dtype, t.requires_grad)
         for name, t in [*module.named_parameters(), *module.named_buffers()]
@@ -159,12 +161,14 @@ def reusing_repeated_layers(
     }
     layers = {path: layer for path, layer in layers.items() if path not in skip and "forward" not in vars(layer)}
     templates: dict[tuple, tuple[str, Any, Any]] = {}  # kind + call -> (path, output spec, output leaves)
-    kinds = {path: (type(layer), _state(layer), _attributes(layer, ignored)) for path, layer in layers.items()}
+    kinds = {path: (type(layer), layer_state(layer), layer_attributes(layer, ignored)) for path, layer in layers.items()}
 
     def wrap(path: str, layer: torch.nn.Module) -> Any:
         original = type(layer).forward.__get__(layer)
 
         def forward(*args: Any, **kwargs: Any) -> Any:
+            if not capturing():  # another thread running the model meanwhile
+                return original(*args, **kwargs)
             if path in called:
                 raise LayerCalledTwice(path)
             called.add(path)

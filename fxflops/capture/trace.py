@@ -31,6 +31,9 @@ from fxflops.capture.lifting import Lifted, install_stand_ins, lifted_paths
 from fxflops.capture.reuse import LayerCalledTwice, reusing_repeated_layers
 from fxflops.capture.phases import run_backward, tagging_recompute
 from fxflops.capture.inputs import DimSpec, Path, bind_call, resolve_dims, tensor_leaves
+from fxflops.capture.isolation import isolated_call, preserving_state
+from fxflops.capture.reads import Reads, recording_reads
+from fxflops.capture.scope import capture_scope, patched
 from fxflops.capture.shape_env import BlamingShapeEnv, format_location, is_library_file
 from fxflops.errors import CaptureError, InputError, PinnedSymbolError
 
@@ -70,6 +73,9 @@ class Captured:
     lifted: dict[str, Lifted] = field(default_factory=dict)  # per-segment modules by path
     reused: dict[str, str] = field(default_factory=dict)  # layer path -> the traced layer it repeats
     assumptions_at_capture: tuple[int, int] = (0, 0)
+    reads: Reads = field(default_factory=Reads)  # model attributes the trace read (capture/reads.py)
+    copies: dict[str, str] = field(default_factory=dict)  # module path -> the traced module it is billed as
+    grad: bool = True  # grad mode the trace ran in
 
     def assumptions(self) -> tuple[int, int]:
         """(guards, replacements) in the ShapeEnv: must not grow after capture, or sizes specialised."""
@@ -174,19 +180,16 @@ def _layout_oblivious() -> Iterator[None]:
     Conditions that can change which arithmetic runs (einsum's size-1 fast path, a model's own
     ``if x.shape[0] == 1``) still become guards, and a call on the other side gets its own program.
     """
-    contiguous_method, overlap_check, linear = torch.Tensor.contiguous, torch._debug_has_internal_overlap, F.linear
-
     def contiguous(self: torch.Tensor, memory_format: torch.memory_format = torch.contiguous_format) -> torch.Tensor:
         return self.clone(memory_format=memory_format)
 
-    def contiguous_linear(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return linear(input.clone(memory_format=torch.contiguous_format), weight, bias)
-
-    torch.Tensor.contiguous, torch._debug_has_internal_overlap, F.linear = contiguous, lambda tensor: 0, contiguous_linear
-    try:
+    with contextlib.ExitStack() as stack:
+        linear = stack.enter_context(patched(F, "linear", lambda input, weight, bias=None: linear(
+            input.clone(memory_format=torch.contiguous_format), weight, bias
+        )))
+        stack.enter_context(patched(torch.Tensor, "contiguous", contiguous))
+        stack.enter_context(patched(torch, "_debug_has_internal_overlap", lambda tensor: 0))
         yield
-    finally:
-        torch.Tensor.contiguous, torch._debug_has_internal_overlap, F.linear = contiguous_method, overlap_check, linear
 
 
 @contextlib.contextmanager
@@ -199,8 +202,6 @@ def _grouped_mm_any_float() -> Iterator[None]:
     """
     import torch._meta_registrations as meta
 
-    common = meta._meta_grouped_mm_common
-
     def any_float(mat_a, mat_b, scale_a, scale_b, offs=None, bias=None, scale_result=None, out_dtype=None, use_fast_accum=False):
         if scale_a is None and mat_a.dtype == mat_b.dtype and mat_a.dtype.is_floating_point and mat_a.dtype != torch.bfloat16:
             # the other checks, on bf16 stand-ins; the output of the inputs' own dtype
@@ -208,11 +209,8 @@ def _grouped_mm_any_float() -> Iterator[None]:
             return meta._create_grouped_mm_output_tensor(mat_a, mat_b, offs, out_dtype or mat_a.dtype)
         return common(mat_a, mat_b, scale_a, scale_b, offs, bias, scale_result, out_dtype, use_fast_accum)
 
-    meta._meta_grouped_mm_common = any_float
-    try:
+    with patched(meta, "_meta_grouped_mm_common", any_float) as common:
         yield
-    finally:
-        meta._meta_grouped_mm_common = common
 
 
 def trace_graph(
@@ -293,6 +291,17 @@ def _model_line(exc: BaseException) -> str:
     return format_location(frames[-1]) if frames else "an unknown line"
 
 
+@contextlib.contextmanager
+def _attaching(reads: Reads) -> Iterator[None]:
+    """A failing capture's exception carries what it read (``fxflops_reads``: reads, copies, grad
+    mode), so that a refusal can be kept for the model state it failed in."""
+    try:
+        yield
+    except Exception as exc:
+        exc.fxflops_reads = (reads, {}, torch.is_grad_enabled())
+        raise
+
+
 def capture(
     model: torch.nn.Module,
     args: tuple = (),
@@ -325,26 +334,33 @@ def capture(
 
     leaves = pytree.tree_leaves((args, kwargs))
     slots = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
-    for reusing in (True, False):  # without reuse when a layer runs twice (capture/reuse.py)
-        env = BlamingShapeEnv()
-        mode = FakeTensorMode(shape_env=env, allow_non_fake_inputs=True)
-        fakes, env_syms = _symbolic_inputs(env, mode, tensors, specs)
-        fake_by_id = {id(tensors[path]): fake for path, fake in fakes.items()}
-        call_args, call_kwargs = pytree.tree_map(
-            lambda v: fake_by_id[id(v)] if isinstance(v, torch.Tensor) else v, (args, kwargs)
-        )
-        try:
-            with adapter.capturing(), install_stand_ins(model, per_segment, backward) as lifted:
-                skip = set(lifted_paths(model, per_segment))
-                with reusing_repeated_layers(model, skip, backward, reusing, adapter.same_layer_attributes) as reuse:
-                    gm = trace_graph(model, mode, call_args, call_kwargs, backward)
-            break
-        except LayerCalledTwice:
-            continue
+    with capture_scope():
+        own_args, own_kwargs, uncopied = isolated_call(args, kwargs)
+        with preserving_state(model, uncopied), recording_reads(model) as reads, _attaching(reads):
+            for reusing in (True, False):  # without reuse when a layer runs twice (capture/reuse.py)
+                env = BlamingShapeEnv()
+                mode = FakeTensorMode(shape_env=env, allow_non_fake_inputs=True)
+                fakes, env_syms = _symbolic_inputs(env, mode, tensors, specs)
+                fake_by_id = {id(tensors[path]): fake for path, fake in fakes.items()}
+                call_args, call_kwargs = pytree.tree_map(
+                    lambda v: fake_by_id.get(id(v), v) if isinstance(v, torch.Tensor) else v, (own_args, own_kwargs)
+                )
+                try:
+                    with adapter.capturing(), install_stand_ins(model, per_segment, backward, adapter.same_layer_attributes) as lifted:
+                        skip = set(lifted_paths(model, per_segment))
+                        with reusing_repeated_layers(model, skip, backward, reusing, adapter.same_layer_attributes) as reuse:
+                            gm = trace_graph(model, mode, call_args, call_kwargs, backward)
+                    break
+                except LayerCalledTwice:
+                    continue
     pinned = _check_free(env, env_syms, strict=dims is not None and not allow_pins)
     env_to_named = {sym: named_symbol(name) for name, sym in env_syms.items()}
     path_of = {id(tensor): path for path, tensor in tensors.items()}
-    captured = Captured(gm, env, {}, env_to_named, specs, [], {}, [path_of[id(leaves[i])] for i in slots], pinned, lifted, reuse.templates)
+    copies = {**reuse.templates, **{path: l.path for path, l in lifted.items() if l.path != path}}
+    captured = Captured(
+        gm, env, {}, env_to_named, specs, [], {}, [path_of[id(leaves[i])] for i in slots], pinned, lifted, reuse.templates,
+        reads=reads, copies=copies, grad=torch.is_grad_enabled(),
+    )
     captured.symbols = {name: named_symbol(name) for name in env_syms if name not in pinned}
     captured.input_dims = {
         path: tuple(captured.named(size) for size in fake.shape) for path, fake in fakes.items()

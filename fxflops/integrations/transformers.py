@@ -154,8 +154,7 @@ class TransformersAdapter(Adapter):
     @contextlib.contextmanager
     def capturing(self) -> Iterator[None]:
         with contextlib.ExitStack() as stack:
-            for owner in self.getter_owners:
-                stack.enter_context(packed_pieces(owner, FEATURE_GETTERS))
+            stack.enter_context(packed_pieces(self.getter_owners, FEATURE_GETTERS))
             stack.enter_context(_experts_as_batched_matmuls(self.model))
             yield
 

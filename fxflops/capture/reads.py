@@ -1,0 +1,114 @@
+"""What a capture read from the model besides its inputs: the state its program depends on.
+
+A traced program is exact for the state the model was in: the ``training`` flags its code branched on,
+flags such as ``gradient_checkpointing``, numbers such as a norm's ``eps``, the settings of a config
+object (``config._attn_implementation``). torch.compile guards on the attributes its trace read;
+fxflops does the same. While capturing (and only in the capturing thread, ``capture/scope.py``),
+every attribute read on the model's modules, and on the plain Python objects they hold (configs,
+dataclasses; two levels deep), is recorded by name. :func:`recording_reads` yields the
+:class:`Reads`; ``fxflops/situation.py`` turns them into guards on the *real* state after the capture.
+
+Reads inside a layer billed as a copy of a traced one (``capture/reuse.py``, a lifted module's cached
+trace) are not made; the guards of the traced layer are applied to the copy by relative path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from fxflops.capture.scope import patched
+
+_NOT_HELD = (torch.nn.Module, torch.Tensor, type, types.FunctionType, types.MethodType, types.BuiltinFunctionType, types.ModuleType)
+
+
+@dataclass
+class Reads:
+    """Attribute names read during a capture: ``modules[id(module.__dict__)]`` and
+    ``held[id(object)]`` (objects the modules hold, e.g. a config), each a set of names."""
+
+    modules: dict[int, set[str]] = field(default_factory=dict)
+    held: dict[int, set[str]] = field(default_factory=dict)
+
+    def of_module(self, module: torch.nn.Module) -> set[str]:
+        return self.modules.get(id(vars(module)), set())
+
+    def of_held(self, obj: Any) -> set[str]:
+        return self.held.get(id(obj), set())
+
+
+def held_objects(model: torch.nn.Module, depth: int = 2) -> dict[int, Any]:
+    """The plain Python objects (not modules, tensors, functions or builtins) held as attributes by
+    the model's modules, and by those objects, ``depth`` levels deep: configs, dataclasses."""
+    found: dict[int, Any] = {}
+    frontier: list[Any] = list(model.modules())
+    for _ in range(depth):
+        nxt = []
+        for holder in frontier:
+            for value in getattr(holder, "__dict__", {}).values():
+                if _is_held(value) and id(value) not in found:
+                    found[id(value)] = value
+                    nxt.append(value)
+        frontier = nxt
+    return found
+
+
+def _is_held(value: Any) -> bool:
+    kind = type(value)
+    return (
+        hasattr(value, "__dict__")
+        and not isinstance(value, _NOT_HELD)
+        and kind.__module__ not in ("builtins", "functools", "collections", "enum")
+        and not issubclass(kind, BaseException)
+    )
+
+
+@contextlib.contextmanager
+def recording_reads(model: torch.nn.Module) -> Iterator[Reads]:
+    """Record attribute reads on ``model``'s modules and held objects for the block (a capture)."""
+    reads = Reads()
+    modules = {id(vars(m)): reads.modules.setdefault(id(vars(m)), set()) for m in model.modules()}
+    held = held_objects(model)
+    held_names = {key: reads.held.setdefault(key, set()) for key in held}
+    classes = {type(obj) for obj in held.values()}
+    with contextlib.ExitStack() as stack:
+        original = stack.enter_context(patched(torch.nn.Module, "__getattribute__", lambda self, name: record(self, name)))
+
+        def record(self: Any, name: str) -> Any:
+            if name[:2] != "__":
+                names = modules.get(id(object.__getattribute__(self, "__dict__")))
+                if names is not None:
+                    names.add(name)
+            return original(self, name)
+
+        for cls in classes:
+            stack.enter_context(_recording_class(cls, held_names))
+        yield reads
+
+
+def _recording_class(cls: type, held_names: dict[int, set[str]]) -> contextlib.AbstractContextManager:
+    """Record reads on the instances of ``cls`` that the model holds."""
+    original: Any = None
+
+    def record(self: Any, name: str) -> Any:
+        if name[:2] != "__":
+            names = held_names.get(id(self))
+            if names is not None:
+                names.add(name)
+        return original(self, name)
+
+    manager = patched(cls, "__getattribute__", record)
+
+    @contextlib.contextmanager
+    def scope() -> Iterator[None]:
+        nonlocal original
+        with manager as found:
+            original = found
+            yield
+
+    return scope()

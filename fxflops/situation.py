@@ -1,0 +1,421 @@
+"""Call situations: everything a program's count depends on besides the sizes its symbols carry.
+
+A program is exact for the call it was traced from and for every call *in the same situation* whose
+sizes meet its guards. The situation has three parts, checked on every counted call:
+
+- :class:`CallKeys`: the call itself besides the sizes the binder reads — which arguments are given
+  (positionally or by keyword), which are ``None``; each tensor's type, dtype, device,
+  ``requires_grad`` and rank; the value of every Python scalar, string, enum, dtype or device;
+  containers by structure; other objects (a cache, a config passed in) by type and contents, their
+  tensors by shape too (their sizes are constants of the trace, not symbols). Functions and modules
+  passed as arguments by identity.
+- :func:`mode_key`: grad mode, inference mode, autocast (per device type: enabled, dtype, cache), the
+  scaled-dot-product-attention backends enabled, the MHA fast path, the default dtype.
+- :class:`ModelState`: the model's state the trace depended on (``capture/reads.py`` recorded what it
+  read): ``training`` flags and every other plain attribute the trace read from a module or from an
+  object a module holds (``config._attn_implementation``), which parameters require grad (programs
+  traced with grad enabled), and the model's structure: the identity of every module, parameter and
+  buffer, their shapes, dtypes and devices, and the number of hooks.
+
+The first two are tuples compared as dictionary keys. The model state is a generated Python function
+over the recorded attributes (tens of nanoseconds per attribute); the structure, whose full check
+walks every module, is re-checked only after something was registered on any module anywhere (module,
+parameter and buffer assignments fire torch's global registration hooks, counted by
+:data:`STRUCTURE`) and after every ``Meter.step()`` (what no hook sees: ``param.data = ...``, a hook
+registered on a module). A call in another situation gets its own program, or a clear refusal.
+"""
+
+from __future__ import annotations
+
+import enum
+import inspect
+import itertools
+import types
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from fxflops.capture.reads import Reads
+
+_SCALARS = (
+    bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device, torch.layout,
+    torch.memory_format, torch.Size, slice, range, type, enum.Enum,
+)
+_IDENTITY = (types.FunctionType, types.MethodType, types.BuiltinFunctionType, torch.nn.Module)
+_BUDGET = 512  # values looked at inside one opaque object before it is keyed by identity
+
+
+def value_key(value: Any, shapes: bool = False, _budget: list[int] | None = None) -> Any:
+    """A hashable description of one argument (see the module docstring); ``shapes``: tensors by
+    shape too (tensors inside opaque objects, whose sizes are constants of the trace)."""
+    kind = type(value)
+    if kind is torch.Tensor or isinstance(value, torch.Tensor):
+        key = (kind, value.dtype, value.device, value.requires_grad, value.dim())
+        return key + (tuple(value.shape),) if shapes else key
+    if isinstance(value, _SCALARS):
+        return (kind, value)
+    if isinstance(value, (list, tuple)):
+        return (kind, tuple([value_key(v, shapes, _budget) for v in value]))
+    if isinstance(value, dict):
+        return (kind, tuple([(k, value_key(v, shapes, _budget)) for k, v in value.items()]))
+    if isinstance(value, _IDENTITY):
+        return (kind, id(value))
+    return (kind, "object", _object_key(value, _budget if _budget is not None else [_BUDGET]))
+
+
+def _object_key(obj: Any, budget: list[int]) -> Any:
+    """An opaque object by its attributes (tensors with their shapes), or by identity when it is too
+    big or has none."""
+    state = getattr(obj, "__dict__", None)
+    if state is None or budget[0] <= 0:
+        return id(obj)
+    budget[0] -= len(state)
+    return tuple(sorted((name, value_key(v, True, budget)) for name, v in state.items()))
+
+
+class CallKeys:
+    """The identity of calls of ``forward`` besides their sizes (see the module docstring): each
+    parameter's value by name in signature order, defaults for those not given, so that one call
+    made positionally or by keyword, or omitting an argument rather than passing its default, is one
+    situation. The binding plan of each layout (how many positional arguments, which keywords) is
+    worked out once."""
+
+    def __init__(self, forward: Callable[..., Any]) -> None:
+        self._signature = inspect.signature(forward)
+        self._plans: dict[tuple, tuple] = {}
+
+    def __call__(self, args: tuple, kwargs: dict) -> tuple:
+        layout = (len(args), tuple(kwargs))
+        plan = self._plans.get(layout)
+        if plan is None:
+            plan = self._plans[layout] = self._plan(args, kwargs)
+        return tuple([
+            (name, default if where is None else value_key(args[where] if type(where) is int else kwargs[where]))
+            for name, where, default in plan
+        ])
+
+    def _plan(self, args: tuple, kwargs: dict) -> tuple:
+        """(name, where its value is: a position or a keyword, or None and the key of its default)
+        per parameter (``*args`` and ``**kwargs`` as the values they collect, by position and by
+        keyword); raises TypeError for a call ``forward`` does not accept."""
+        bound = self._signature.bind(*args, **kwargs)
+        positional = len(args)
+        plan, i = [], 0
+        for name, param in self._signature.parameters.items():
+            if param.kind is inspect.Parameter.VAR_POSITIONAL:
+                plan += [(f"{name}[{j - i}]", j, None) for j in range(i, positional)]
+                i = positional
+            elif param.kind is inspect.Parameter.VAR_KEYWORD:
+                named = set(self._signature.parameters)
+                plan += [(k, k, None) for k in sorted(k for k in kwargs if k not in named)]
+            elif name not in bound.arguments:
+                default = param.default
+                plan.append((name, None, value_key(None if default is inspect.Parameter.empty else default)))
+            elif param.kind is not inspect.Parameter.KEYWORD_ONLY and i < positional:
+                plan.append((name, i, None))
+                i += 1
+            else:
+                plan.append((name, name, None))
+        return tuple(plan)
+
+    def __getstate__(self) -> dict:
+        return {"_signature": self._signature, "_plans": {}}
+
+
+def _autocast_key() -> tuple:
+    return (torch.is_autocast_cache_enabled(),) + tuple(
+        (device, torch.get_autocast_dtype(device))
+        for device in ("cpu", "cuda", "xpu", "mps", "hpu")
+        if _autocast_enabled(device)
+    )
+
+
+def _autocast_enabled(device: str) -> bool:
+    try:
+        return torch.is_autocast_enabled(device)
+    except RuntimeError:  # a device type this build does not know
+        return False
+
+
+def mode_key() -> tuple:
+    """Grad, inference and autocast modes, SDPA backends, MHA fast path and default dtype."""
+    return (
+        torch.is_grad_enabled(),
+        torch.is_inference_mode_enabled(),
+        _autocast_key() if torch._C._is_any_autocast_enabled() else None,
+        torch._C._get_flash_sdp_enabled(),
+        torch._C._get_mem_efficient_sdp_enabled(),
+        torch._C._get_math_sdp_enabled(),
+        torch._C._get_cudnn_sdp_enabled(),
+        torch.backends.mha.get_fastpath_enabled(),
+        torch.get_default_dtype(),
+    )
+
+
+_MODE_NAMES = ("grad mode", "inference mode", "autocast", "flash SDPA", "memory-efficient SDPA", "math SDPA",
+               "cuDNN SDPA", "MHA fast path", "default dtype")
+
+
+def describe_difference(traced: tuple, now: tuple) -> str:
+    """What differs between two situations ``(call key, mode key)``, in words."""
+    call_a, mode_a = traced
+    call_b, mode_b = now
+    for name, a, b in zip(_MODE_NAMES, mode_a, mode_b):
+        if a != b:
+            return f"{name} is {_shown(b)}, the program was traced with {_shown(a)}"
+    given_a, given_b = dict(call_a), dict(call_b)
+    differences = [
+        f"argument {name!r} is {_described(given_b.get(name))}, the program was traced with {_described(given_a.get(name))}"
+        for name in [*given_a, *(n for n in given_b if n not in given_a)]
+        if given_a.get(name) != given_b.get(name)
+    ]
+    shown = "; ".join(differences[:4]) + (f"; and {len(differences) - 4} more" if len(differences) > 4 else "")
+    return shown or "the call differs from the traced one"
+
+
+def _shown(value: Any) -> str:
+    return {True: "on", False: "off", None: "off"}.get(value, str(value)) if isinstance(value, (bool, type(None))) else str(value)
+
+
+def _described(key: Any) -> str:
+    """A value key in words."""
+    if key is None:
+        return "absent"
+    kind = key[0]
+    if isinstance(kind, type) and issubclass(kind, torch.Tensor):
+        return f"a {kind.__name__} ({key[1]}, {key[2]}, requires_grad={key[3]}, rank {key[4]})"
+    if kind is type(None):
+        return "None"
+    if len(key) == 2 and isinstance(kind, type) and issubclass(kind, _SCALARS):
+        return repr(key[1])
+    return f"a {getattr(kind, '__name__', kind)} with other contents"
+
+
+class Structure:
+    """A count of registrations on the modules of instrumented models (torch's global module,
+    parameter and buffer registration hooks, filtered to those modules), plus one per
+    ``Meter.step()``: when it moves, model structures are re-checked. Registrations on other
+    modules (HF decoders slice their ``ModuleList`` on every forward, building a new one) do not count."""
+
+    def __init__(self) -> None:
+        self.version = 0
+        self._installed = False
+        self._tracked: weakref.WeakSet = weakref.WeakSet()
+
+    def track(self, model: torch.nn.Module) -> None:
+        """Count registrations on ``model``'s modules from now on."""
+        if not self._installed:
+            from torch.nn.modules import module
+
+            module.register_module_module_registration_hook(self._registered)
+            module.register_module_parameter_registration_hook(self._registered)
+            module.register_module_buffer_registration_hook(self._registered)
+            self._installed = True
+        self._tracked.update(model.modules())
+
+    def _registered(self, module: torch.nn.Module, name: str, value: Any) -> None:
+        if module in self._tracked:
+            self.version += 1
+
+    def bump(self) -> None:
+        self.version += 1
+
+
+STRUCTURE = Structure()
+
+_MODULE_INTERNALS = frozenset(vars(torch.nn.Module())) - {"training"}
+_PLAIN_CONTAINERS = (tuple, list, dict, set, frozenset)
+
+
+def _plain(value: Any, size: int = 64) -> bool:
+    """Numbers, strings, flags, dtypes, enums, and small containers of them: compared by value."""
+    if isinstance(value, _SCALARS):
+        return True
+    if isinstance(value, _PLAIN_CONTAINERS) and len(value) <= size:
+        items = value.items() if isinstance(value, dict) else ((v, v) for v in value)
+        return all(_plain(k, 0) and _plain(v, size // 4) for k, v in items)
+    return False
+
+
+def _copied(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _copied(v) for k, v in value.items()}
+    if isinstance(value, (list, set)):
+        return type(value)(_copied(v) for v in value)
+    return value
+
+
+@dataclass(frozen=True)
+class StateGuard:
+    """One attribute of the traced state: ``key`` of the module at ``path`` (or of the object that
+    module holds as attribute ``held``) compared with ``expected`` by ``test``: ``"is"`` (flags, None,
+    objects such as a config), ``"=="`` (numbers, strings, small containers of them) or ``"key"``
+    (tensors and containers holding them, by :func:`value_key` with shapes: a trace's constants)."""
+
+    label: str
+    path: str
+    held: str | None
+    key: str
+    expected: Any
+    test: str
+
+    def holds(self, value: Any) -> bool:
+        if self.test == "is":
+            return value is self.expected
+        if self.test == "==":
+            return value == self.expected
+        return value_key(value, True) == self.expected
+
+    def owner(self, model: torch.nn.Module) -> dict:
+        """The ``__dict__`` holding the attribute (KeyError/AttributeError when gone)."""
+        state = vars(model.get_submodule(self.path))
+        return vars(state[self.held]) if self.held is not None else state
+
+
+class ModelState:
+    """The model state a program was traced in (see the module docstring): ``matches()`` per call,
+    ``mismatch()`` says what changed.
+
+    ``reads`` are the capture's recorded reads, ``copies`` maps the path of every layer billed as a
+    copy of a traced one to that layer's path, ``grad`` says whether the trace ran with grad enabled
+    (then which parameters require grad is part of the state). Guards are kept by module path, so a
+    copied or loaded program binds them to its own model again."""
+
+    def __init__(self, model: torch.nn.Module, reads: Reads, copies: dict[str, str], grad: bool) -> None:
+        self.model = model
+        self.guards = _guards_from(model, reads, copies)
+        self.requires_grad = {n: p.requires_grad for n, p in model.named_parameters()} if grad else {}
+        self._bind()
+
+    def _bind(self) -> None:
+        """Generate the per-call check against this model's objects and take its structure."""
+        STRUCTURE.track(self.model)
+        scope: dict[str, Any] = {"_any": torch._C._any_requires_grad, "_key": value_key}
+        tests = []
+        for i, guard in enumerate(self.guards):
+            scope[f"_d{i}"], scope[f"_v{i}"] = guard.owner(self.model), guard.expected
+            got = f"_d{i}[{guard.key!r}]"
+            tests.append(f"_key({got}, True) == _v{i}" if guard.test == "key" else f"{got} {guard.test} _v{i}")
+        parameters = dict(self.model.named_parameters())
+        frozen = tuple(parameters[n] for n, wanted in self.requires_grad.items() if not wanted)
+        if frozen:
+            scope["_frozen"] = frozen
+            tests.append("not _any(*_frozen)")
+        for i, name in enumerate(n for n, wanted in self.requires_grad.items() if wanted):
+            scope[f"_p{i}"] = parameters[name]
+            tests.append(f"_p{i}.requires_grad")
+        lines = ["def check():"]
+        for chunk in _chunks(tests, 64):
+            lines.append(f"    if not ({' and '.join(chunk)}): return False")
+        lines.append("    return True")
+        exec(compile("\n".join(lines) + "\n", "<fxflops model state>", "exec"), scope)  # noqa: S102 - our own code
+        self._check: Callable[[], bool] = scope["check"]
+        self._structure = self._snapshot()
+        self._version = STRUCTURE.version
+        self._structure_ok = True
+
+    def _snapshot(self) -> tuple:
+        """Every module, parameter and buffer by identity (tensors with shape, dtype and device), the
+        hook counts and forward overrides: the structure the program was traced on."""
+        from torch.nn.modules import module as nn_module
+
+        rows: list[Any] = [
+            len(nn_module._global_forward_pre_hooks), len(nn_module._global_forward_hooks),
+            len(nn_module._global_backward_pre_hooks), len(nn_module._global_backward_hooks),
+        ]
+        for path, m in self.model.named_modules(remove_duplicate=False):
+            tensors = tuple(
+                (name, id(t), t.dtype, tuple(t.shape), t.device) if t is not None else (name, None)
+                for name, t in itertools.chain(m._parameters.items(), m._buffers.items())
+            )
+            hooks = (len(m._forward_pre_hooks), len(m._forward_hooks), len(m._backward_pre_hooks), len(m._backward_hooks))
+            forward = vars(m).get("forward")  # an instance-level override (not fxflops' own routing probe)
+            overridden = forward is not None and not getattr(forward, "fxflops_probe", False)
+            rows.append((path, id(m), type(m), tensors, hooks, id(forward) if overridden else None))
+        return tuple(rows)
+
+    def matches(self) -> bool:
+        """Whether the model is in the state the program was traced in."""
+        if STRUCTURE.version != self._version:
+            self._version = STRUCTURE.version
+            self._structure_ok = self._snapshot() == self._structure
+        if not self._structure_ok:
+            return False
+        try:
+            return self._check()
+        except (KeyError, AttributeError):  # an attribute the trace read was deleted
+            return False
+
+    def mismatch(self) -> str:
+        """What differs from the traced state, in words ("" when nothing does)."""
+        if self._snapshot() != self._structure:
+            return f"the structure of {type(self.model).__name__} changed (a module, parameter, buffer or hook)"
+        for guard in self.guards:
+            state = guard.owner(self.model)
+            if guard.key not in state:
+                return f"{guard.label} was deleted"
+            now = state[guard.key]
+            if not guard.holds(now):
+                return f"{guard.label} is {_short(now)}, the program was traced with {_short(guard.expected)}"
+        for name, p in self.model.named_parameters():
+            if name in self.requires_grad and p.requires_grad != self.requires_grad[name]:
+                return f"parameter {name!r} has requires_grad={p.requires_grad}, the program was traced with {self.requires_grad[name]}"
+        return ""
+
+    def __getstate__(self) -> dict:
+        return {"model": self.model, "guards": self.guards, "requires_grad": self.requires_grad}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._bind()  # the copy's own objects: identities do not survive a copy
+
+
+def _guards_from(model: torch.nn.Module, reads: Reads, copies: dict[str, str]) -> list[StateGuard]:
+    """A guard per attribute the trace read (or would have read, in a copied layer), with the value
+    it has on the real model after the capture."""
+    modules = dict(model.named_modules(remove_duplicate=False))
+    sources = [(path, reads.of_module(m)) for path, m in modules.items() if reads.of_module(m)]
+    for copy, template in copies.items():
+        sources += [
+            (copy + path[len(template):], names)
+            for path, names in list(sources)
+            if (path == template or path.startswith(template + ".")) and copy + path[len(template):] in modules
+        ]
+    guards: dict[tuple[int, str], StateGuard] = {}
+    for path, names in sources:
+        state = vars(modules[path])
+        for name in sorted(names):
+            if name in _MODULE_INTERNALS or name not in state:
+                continue  # structure and hooks (the structure check), or not an instance attribute
+            value = state[name]
+            label = f"{path or '<root>'}.{name}"
+            guards.setdefault((id(state), name), _guard(label, path, None, name, value))
+            inner = getattr(value, "__dict__", None)
+            if inner is None or _plain(value):
+                continue
+            for attribute in sorted(reads.of_held(value)):
+                if attribute in inner:
+                    guards.setdefault((id(inner), attribute), _guard(f"{label}.{attribute}", path, name, attribute, inner[attribute]))
+    return list(guards.values())
+
+
+def _guard(label: str, path: str, held: str | None, key: str, value: Any) -> StateGuard:
+    if isinstance(value, (bool, type(None))):
+        return StateGuard(label, path, held, key, value, "is")
+    if _plain(value):
+        return StateGuard(label, path, held, key, _copied(value), "==")
+    if isinstance(value, (torch.Tensor, list, tuple, dict)):
+        return StateGuard(label, path, held, key, value_key(value, True), "key")
+    return StateGuard(label, path, held, key, value, "is")
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _chunks(items: list[str], size: int) -> list[list[str]]:
+    return [items[i : i + size] for i in range(0, len(items), size)] or [["True"]]
