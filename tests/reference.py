@@ -118,6 +118,20 @@ def degrouped(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
+def flop_counter_call(model: torch.nn.Module, args: tuple, kwargs: dict, backward: bool) -> int:
+    """FlopCounterMode's FLOPs of one call ``model(*args, **kwargs)`` exactly as made (the caller's
+    grad and autocast modes, the model's state), with CPU attention counted and grouped convolutions
+    degrouped; with ``backward``, plus ``.sum().backward()`` of the float outputs when they require
+    grad (recompute of activation checkpointing included)."""
+    reference = degrouped(model)
+    with flop_counter_with_cpu_attention(), FlopCounterMode(display=False) as counter:
+        out = reference(*args, **kwargs)
+        floats = [t for t in torch.utils._pytree.tree_leaves(out) if torch.is_tensor(t) and t.is_floating_point()]
+        if backward and any(t.requires_grad for t in floats):
+            sum(t.float().sum() for t in floats if t.requires_grad).backward()
+    return counter.get_total_flops()
+
+
 def training_reference_total(model: torch.nn.Module, *args) -> int:
     """FLOPs of forward + ``loss.backward()`` (loss = sum of the float outputs) from FlopCounterMode,
     with CPU attention counted and grouped convolutions degrouped (see above)."""
