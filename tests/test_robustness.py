@@ -1,0 +1,352 @@
+"""Telemetry never breaks training and never touches the user's objects (issue 13, points 3-7).
+
+- Fault injection: an exception raised inside each stage fxflops runs during a call (adapter prepare,
+  call key, modes, model state, capture, analysis, binding, metadata, guard evaluation, monomials,
+  routing probes, meter add) leaves the model's output and gradients exactly as without fxflops,
+  marks the call uncounted with one warning, and reaches the caller only with ``strict=True``.
+- A refused call layout costs one capture attempt, not one per call.
+- A capture leaves a key-value cache passed to the model, and the model's own attributes, as they
+  were; no fake tensor reaches an output.
+- Threads: a model used in another thread during a capture sees none of the capture's patches; two
+  threads making the first call both count exactly.
+- ``torch.save``/``torch.load``, ``copy.deepcopy`` and ``pickle`` of wrappers and programs.
+- ``fxflops.ops.varlen_attention`` forward and backward under FlopCounterMode.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import pickle
+import subprocess
+import sys
+import threading
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils.flop_counter import FlopCounterMode
+
+import fxflops
+import fxflops.binder
+import fxflops.meter
+import fxflops.program
+import fxflops.routing
+import fxflops.situation
+from fxflops.models.tiny_gpt import GPTConfig, TinyGPT
+from reference import flop_counter_call
+
+INSTRUMENT = sys.modules["fxflops.instrument"]  # the module (``fxflops.instrument`` is the function)
+CONFIG = GPTConfig(vocab=100, hidden=32, heads=2, kv_heads=1, ffn=48, layers=2)
+MOE = GPTConfig(vocab=100, hidden=32, heads=2, kv_heads=1, ffn=48, layers=2, experts=4, top_k=2, expert_ffn=16, dispatch="grouped")
+
+
+def _raise(*args, **kwargs):
+    raise RuntimeError("injected fault")
+
+
+def _step(model, ids):
+    """Output and gradients of one training step."""
+    model.zero_grad(set_to_none=True)
+    out = model(ids)
+    out.float().sum().backward()
+    return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+STAGES = {  # stage -> (what to patch, attribute) ; "first" faults need no program yet, the others one
+    "prepare": ("adapter", "prepare"),
+    "call key": (fxflops.situation, "value_key"),
+    "modes": (INSTRUMENT, "mode_key"),
+    "capture": (INSTRUMENT, "capture"),
+    "analysis": (fxflops.program.Program, "from_capture"),
+    "model state": (fxflops.situation.ModelState, "matches"),
+    "binding": (fxflops.binder.Binder, "values"),
+    "guard evaluation": ("program", "within_guards"),
+    "monomials": ("program", "monomials"),
+    "meter add": (fxflops.meter.Meter, "add"),
+}
+NEEDS_PROGRAM = {"model state", "binding", "guard evaluation", "monomials", "meter add"}
+
+
+@pytest.mark.parametrize("stage", list(STAGES))
+def test_a_fault_in_any_stage_leaves_the_step_untouched(stage, monkeypatch):
+    torch.manual_seed(0)
+    model = TinyGPT(CONFIG)
+    plain = copy.deepcopy(model)
+    wrapper = fxflops.instrument(model, backward=True)
+    strict = fxflops.instrument(model, backward=True, strict=True)
+    ids, other = torch.randint(0, 100, (2, 9)), torch.randint(0, 100, (3, 7))
+    if stage in NEEDS_PROGRAM:  # a program exists: the fault hits a later call
+        _step(wrapper, ids)
+        _step(strict, ids)
+    owner, name = STAGES[stage]
+    for w in (wrapper, strict):
+        monkeypatch.setattr({"adapter": w.adapter, "program": w.program}.get(owner, owner), name, _raise)
+    uncounted = wrapper.flops.uncounted
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out, grads = _step(wrapper, other)
+    expected_out, expected_grads = _step(plain, other)
+    assert torch.equal(out, expected_out)
+    assert grads.keys() == expected_grads.keys() and all(torch.equal(grads[k], expected_grads[k]) for k in grads)
+    assert any("injected fault" in str(w.message) for w in caught), stage
+    if stage == "prepare":  # the call goes on as given, which the identity adapter would not change
+        assert wrapper.flops.uncounted == uncounted and wrapper.flops.total() > 0
+    else:
+        assert wrapper.flops.uncounted == uncounted + 1, stage
+    with pytest.raises(RuntimeError, match="injected fault"):
+        strict(other)
+
+
+def test_a_fault_in_a_routing_probe_never_reaches_the_model(monkeypatch):
+    torch.manual_seed(0)
+    model = TinyGPT(MOE)
+    plain = copy.deepcopy(model)
+    wrapper = fxflops.instrument(model, backward=True, measure_routing=True)
+    ids = torch.randint(0, 100, (2, 9))
+    _step(wrapper, ids)
+    monkeypatch.setattr(fxflops.routing, "dispatched_flops", _raise)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out, grads = _step(wrapper, ids)
+    expected_out, expected_grads = _step(plain, ids)
+    assert torch.equal(out, expected_out) and all(torch.equal(grads[k], expected_grads[k]) for k in grads)
+    assert any("routing not measured" in str(w.message) for w in caught)
+    with pytest.raises(ValueError, match="routing of every call measured"):  # actual refuses, model counts
+        wrapper.flops.total(convention=fxflops.conventions.FLOPCOUNTER.but(moe="actual"))
+    assert wrapper.flops.total() > 0
+
+
+def test_a_metadata_fault_leaves_the_vlm_step_untouched(monkeypatch):
+    import random
+
+    from fxflops.models.tiny_vlm import TinyVLM, VLMConfig, random_batch
+
+    torch.manual_seed(0)
+    model = TinyVLM()
+    plain = copy.deepcopy(model)
+    wrapper = fxflops.instrument(model)
+    rng = random.Random(0)
+    with torch.no_grad():
+        wrapper(*random_batch(VLMConfig(), rng).inputs())
+        program = wrapper.program
+        monkeypatch.setattr(program.binder, "host_metadata", None)  # reading metadata now fails
+        monkeypatch.setattr(torch.Tensor, "is_cpu", property(_raise))
+        batch = random_batch(VLMConfig(), rng).inputs()
+        with warnings.catch_warnings(record=True):
+            warnings.simplefilter("always")
+            out = wrapper(*batch)
+        monkeypatch.undo()
+        assert torch.equal(out, plain(*batch))
+    assert wrapper.flops.uncounted == 1
+
+
+class DataDependent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        keep = int((x > 0).sum())  # reads tensor data: no symbolic trace can say this
+        return self.fc(x[:keep])
+
+
+def test_a_refused_layout_costs_one_attempt(monkeypatch):
+    model = DataDependent()
+    wrapper = fxflops.instrument(model)
+    attempts = []
+    original = INSTRUMENT.capture
+    monkeypatch.setattr(INSTRUMENT, "capture", lambda *a, **k: attempts.append(1) or original(*a, **k))
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        for rows in (5, 9, 13, 3, 7, 21, 2):
+            wrapper(torch.randn(rows, 4))
+        assert len(attempts) == 1 and wrapper.flops.uncounted == 7
+        wrapper(torch.randn(1, 4))  # size 1 can take another path in a trace: one more attempt
+        wrapper(torch.randn(1, 4))
+        assert len(attempts) == 2
+        wrapper(torch.randn(0, 4))  # another size class again, the last attempt this layout gets
+        for rows in (0, 1, 4, 6):
+            wrapper(torch.randn(rows, 4))
+            wrapper(torch.randn(rows + 1, 4))
+    assert len(attempts) == INSTRUMENT.MAX_ATTEMPTS
+    assert wrapper.flops.uncounted == 18
+    assert len({str(w.message) for w in caught}) <= 3  # warned once per distinct reason
+
+
+def test_a_capture_leaves_the_models_attributes_as_they_were():
+    class Remembering(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+            self.calls = 0
+            self.last = None
+            self.history: list = []
+
+        def forward(self, x):
+            self.calls += 1
+            y = self.fc(x)
+            self.last = y
+            self.history.append(y.shape[0])
+            return y
+
+    model = Remembering()
+    wrapper = fxflops.instrument(model)
+    with torch.no_grad():
+        out = wrapper(torch.randn(3, 4))
+    assert model.calls == 1 and model.history == [3]  # the real call only
+    assert not isinstance(model.last, FakeTensor) and torch.equal(model.last, out)
+    assert wrapper.flops.total() == 2 * 3 * 4 * 4
+
+
+def test_a_capture_leaves_a_kv_cache_untouched():
+    transformers = pytest.importorskip("transformers") if False else __import__("transformers")
+    config = transformers.Qwen2Config(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128,
+    )
+    torch.manual_seed(0)
+    model = transformers.Qwen2ForCausalLM(config).eval()
+    wrapper = fxflops.instrument(model)
+    ids = torch.randint(0, 128, (1, 6))
+    with torch.no_grad():
+        cache = transformers.DynamicCache(config=config)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            out = wrapper(input_ids=ids, past_key_values=cache, use_cache=True)
+        reference_cache = transformers.DynamicCache(config=config)
+        expected = model(input_ids=ids, past_key_values=reference_cache, use_cache=True)
+    assert not isinstance(out.logits, FakeTensor) and torch.equal(out.logits, expected.logits)
+    assert cache.get_seq_length() == reference_cache.get_seq_length() == 6
+    for layer, reference in zip(cache.layers, reference_cache.layers):
+        assert not isinstance(layer.keys, FakeTensor) and torch.equal(layer.keys, reference.keys)
+        assert torch.equal(layer.values, reference.values)
+
+
+def test_a_model_in_another_thread_sees_none_of_the_capture():
+    """While another thread captures VLMs (packed pieces, layout-oblivious copies, checkpoint tags,
+    read recording), plain tensor code here behaves exactly as always."""
+    from fxflops.models import hf_zoo
+
+    import random
+
+    stop, failures = threading.Event(), []
+
+    def plain_work():
+        x = torch.arange(12.0).reshape(4, 3)
+        while not stop.is_set():
+            try:
+                assert [t.shape[0] for t in torch.split(x, [1, 3])] == [1, 3]
+                assert [t.tolist() for t in x.split([2, 2])] == [[[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]], [[6.0, 7.0, 8.0], [9.0, 10.0, 11.0]]]
+                assert len(list(x)) == 4 and len(x) == 4
+                assert x.contiguous() is x and x.t().contiguous().is_contiguous()
+                assert torch.tensor([[1, 2], [3, 4]]).tolist() == [[1, 2], [3, 4]]
+                with pytest.raises(RuntimeError, match="single memory location"):
+                    torch.zeros(1, 3).expand(4, 3).add_(1)  # the in-place overlap check still holds
+                assert F.linear(x, torch.eye(3)).equal(x)
+            except Exception as exc:  # noqa: BLE001 - reported below
+                failures.append(repr(exc))
+                return
+
+    worker = threading.Thread(target=plain_work)
+    worker.start()
+    try:
+        model = hf_zoo.build("qwen2_vl", "sdpa")
+        wrapper = fxflops.instrument(model, backward=True, strict=True)
+        rng = random.Random(0)
+        for images in (1, 2, 0):
+            wrapper(**hf_zoo.random_batch("qwen2_vl", rng, images=images)).loss.backward()
+        assert wrapper.captures >= 2
+    finally:
+        stop.set()
+        worker.join()
+    assert not failures, failures
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["two_wrappers", "one_wrapper"])
+def test_two_threads_making_the_first_call_both_count_exactly(shared):
+    torch.manual_seed(0)
+    models = [TinyGPT(CONFIG) for _ in range(2)]
+    wrappers = [fxflops.instrument(m, backward=True, strict=True) for m in models]
+    if shared:
+        models, wrappers = [models[0]] * 2, [wrappers[0]] * 2
+    inputs = [torch.randint(0, 100, (2, 9)), torch.randint(0, 100, (3, 5))]
+    errors: list[str] = []
+    barrier = threading.Barrier(2)
+
+    def first_call(i: int) -> None:
+        try:
+            barrier.wait()
+            wrappers[i](inputs[i]).sum().backward()
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(repr(exc))
+
+    threads = [threading.Thread(target=first_call, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    expected = [flop_counter_call(models[i], (inputs[i],), {}, backward=True) for i in range(2)]
+    if shared:
+        assert wrappers[0].flops.total() == sum(expected) and wrappers[0].captures == 1
+    else:
+        assert [w.flops.total() for w in wrappers] == expected
+
+
+def _training_count(wrapper, ids) -> int:
+    wrapper.flops.reset()
+    wrapper(ids).sum().backward()
+    return wrapper.flops.total()
+
+
+def test_save_load_deepcopy_and_pickle_count_exactly():
+    torch.manual_seed(0)
+    model = TinyGPT(CONFIG)
+    wrapper = fxflops.instrument(model, backward=True, strict=True)
+    ids = torch.randint(0, 100, (2, 9))
+    _training_count(wrapper, ids)
+    buffer = io.BytesIO()
+    torch.save(wrapper, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    copied = copy.deepcopy(wrapper)
+    other = torch.randint(0, 100, (4, 13))
+    for twin in (loaded, copied):
+        assert _training_count(twin, other) == flop_counter_call(twin.model, (other,), {}, backward=True)
+        assert twin.captures == 1  # the loaded program serves the new model: no re-capture
+        assert twin.model is not model and twin._parameters is twin.model._parameters
+    program = pickle.loads(pickle.dumps(wrapper.program))
+    expected = flop_counter_call(model, (other,), {}, backward=True)
+    assert program.count(other) == expected
+    assert program.total(input_ids_0=4, input_ids_1=13) == expected
+    assert _training_count(wrapper, other) == expected  # the original is unaffected
+
+
+def test_varlen_attention_forward_and_backward_under_flop_counter_mode():
+    torch.manual_seed(0)
+    q = torch.randn(10, 4, 8, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(10, 2, 8, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    offsets, g = torch.tensor([0, 3, 10]), torch.randn(10, 4, 8, dtype=torch.float64)
+    for causal in (False, True):
+        with FlopCounterMode(display=False):
+            fxflops.ops.varlen_attention(q, k, v, offsets, offsets, causal=causal).backward(g)
+        grads = [t.grad.clone() for t in (q, k, v)]
+        for t in (q, k, v):
+            t.grad = None
+        parts = []
+        for a, b in ((0, 3), (3, 10)):
+            qs, ks, vs = (t[a:b].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+            parts.append(F.scaled_dot_product_attention(qs, ks, vs, is_causal=causal, enable_gqa=True)[0].transpose(0, 1))
+        torch.cat(parts).backward(g)
+        assert all(torch.allclose(a, t.grad) for a, t in zip(grads, (q, k, v)))
+        for t in (q, k, v):
+            t.grad = None
+
+
+def test_import_fxflops_makes_ops_available():
+    code = "import fxflops; print(type(fxflops.ops.varlen_attention).__name__)"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "CustomOpDef"
