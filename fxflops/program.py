@@ -157,6 +157,7 @@ def _graph_terms(
     routers = router_nodes(graph)
     experts = expert_modules(graph)
     routed: dict[str, set[sympy.Symbol]] = {}  # expert module -> data-dependent group sizes in its FLOPs
+    lifted_backward = {n.args[2] for n in graph.nodes if n.op == "call_function" and n.target is PER_SEGMENT_GRAD}
     forward_module: dict[int, str] = {}
     for node in graph.nodes:  # the first forward node of a sequence number is the op autograd recorded
         if node.op == "call_function" and phase_of(node) == "fwd" and "seq_nr" in node.meta:
@@ -170,7 +171,8 @@ def _graph_terms(
         where = f"{op} in module {path or '<root>'!r}"
         if op is PER_SEGMENT:
             if node.args[4]:  # the first output of a lifted module's call carries its FLOPs
-                terms += _lifted_terms(node, path, where, named, segments, lifted[module_path(node)])
+                ran = node.args[5] in lifted_backward
+                terms += _lifted_terms(node, path, where, named, segments, lifted[module_path(node)], phase, ran)
             continue
         if op is PER_SEGMENT_GRAD:  # its backward is billed from the one-segment joint trace
             continue
@@ -356,8 +358,12 @@ def _lifted_terms(
     named: Callable[[Any], sympy.Expr],
     segments: SegmentAnalysis,
     lifted: Lifted,
+    phase: str = "fwd",
+    backward_ran: bool = False,
 ) -> list[Term]:
-    """A lifted module's single-segment terms P(s), billed as Σₖ cₖ·pₖ of its offsets' family."""
+    """A lifted module's single-segment terms P(s), billed as Σₖ cₖ·pₖ of its offsets' family: the
+    forward in ``phase`` (where its markers are: ``fwd``, or ``recompute`` under activation
+    checkpointing), the backward (and the recompute inside it) only if this call's backward ran."""
     try:
         lengths = segments.lengths_of(marker.args[1], where)
     except ValueError as exc:
@@ -385,12 +391,13 @@ def _lifted_terms(
             f"{marker.name}.{t.node}",
             t.op,
             t.module,
-            t.phase,
+            phase if t.phase == "fwd" else t.phase,
             billed(t.flops, t.op, t.module),
             t.kind,
             None if t.causal_exact is None else billed(t.causal_exact, t.op, t.module),
         )
         for t in inner
+        if t.phase == "fwd" or backward_ran
     ]
 
 

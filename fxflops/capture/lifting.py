@@ -15,7 +15,9 @@ matching module's ``forward`` is temporarily replaced by a stand-in that:
    resolved by evaluating that slice of the graph on ``[0, s]``;
 2. returns ``fxflops::per_segment`` marker nodes into the outer graph, shaped like the real outputs and
    carrying the packed input and the offsets, so that the Program bills P as Σₖ cₖ·pₖ of the offsets'
-   segment family (see ``capture/segments.py``).
+   segment family (see ``capture/segments.py``): its forward in the phase the markers ran in (the
+   forward, or an activation checkpoint's recompute), its backward once for each call whose markers'
+   backward ran (``fxflops::per_segment_grad`` nodes carry the call's number).
 
 Modules of one type and parameter shapes called the same way are traced once. Conditions on ``s``
 alone that the one-segment trace relies on (``s > 1``) are checked on every segment of a batch;
@@ -31,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import fnmatch
 import inspect
+import itertools
 import operator
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -44,6 +47,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
 from torch.fx.experimental.symbolic_shapes import DimDynamic
 
+from fxflops.capture.phases import own_phases
 from fxflops.capture.reuse import layer_attributes, layer_state
 from fxflops.capture.scope import capturing
 from fxflops.capture.segments import op_name
@@ -54,36 +58,39 @@ SEGMENT = sympy.Symbol("s", integer=True, positive=True)
 
 @torch.library.custom_op("fxflops::per_segment", mutates_args=())
 def per_segment_marker(
-    packed: torch.Tensor, offsets: torch.Tensor, shape: list[int], dtype: torch.dtype, bill: bool
+    packed: torch.Tensor, offsets: torch.Tensor, shape: list[int], dtype: torch.dtype, bill: bool, call: int
 ) -> torch.Tensor:
-    """A lifted module's output inside a captured graph (``bill``: this node carries its FLOPs)."""
+    """A lifted module's output inside a captured graph (``bill``: this node carries its FLOPs;
+    ``call`` numbers the module's calls within the capture)."""
     raise RuntimeError("fxflops::per_segment only exists inside a capture")
 
 
 @per_segment_marker.register_fake
-def _(packed, offsets, shape, dtype, bill):
+def _(packed, offsets, shape, dtype, bill, call):
     return packed.new_empty(shape, dtype=dtype)
 
 
 @torch.library.custom_op("fxflops::per_segment_grad", mutates_args=())
-def per_segment_grad(grad: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-    """The gradient a lifted module sends to its packed input, inside a joint capture (never runs for
-    real); the module's backward FLOPs come from its own one-segment joint trace."""
+def per_segment_grad(grad: torch.Tensor, packed: torch.Tensor, call: int) -> torch.Tensor:
+    """The gradient a lifted module's ``call`` sends to its packed input, inside a joint capture (never
+    runs for real): the module's backward FLOPs, from its own one-segment joint trace, are billed
+    where this node is (once per call whose backward ran)."""
     raise RuntimeError("fxflops::per_segment_grad only exists inside a capture")
 
 
 @per_segment_grad.register_fake
-def _(grad, packed):
+def _(grad, packed, call):
     return torch.empty_like(packed)
 
 
 def _marker_setup(ctx, inputs, output) -> None:
     ctx.save_for_backward(inputs[0])
+    ctx.call = inputs[5]
 
 
 def _marker_backward(ctx, grad):
     (packed,) = ctx.saved_tensors
-    return per_segment_grad(grad, packed), None, None, None, None
+    return per_segment_grad(grad, packed, ctx.call), None, None, None, None, None
 
 
 per_segment_marker.register_autograd(_marker_backward, setup_context=_marker_setup)
@@ -278,8 +285,9 @@ def install_stand_ins(
     if unmatched:
         raise CaptureError(f"per_segment pattern(s) {unmatched} match no module of {type(model).__name__}")
     cache: dict[tuple, tuple[Lifted, list]] = {}
+    calls = itertools.count()
     for path, (module, offsets_name) in matches.items():
-        module.forward = _stand_in(module, path, offsets_name, lifted, cache, backward, ignored)
+        module.forward = _stand_in(module, path, offsets_name, lifted, cache, backward, ignored, calls)
     try:
         yield lifted
     finally:
@@ -287,8 +295,13 @@ def install_stand_ins(
             del module.forward
 
 
+def _same(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
 def _stand_in(
-    module: torch.nn.Module, path: str, offsets_name: str, lifted: dict, cache: dict, backward: bool, ignored: frozenset[str]
+    module: torch.nn.Module, path: str, offsets_name: str, lifted: dict, cache: dict, backward: bool, ignored: frozenset[str],
+    calls: Iterator[int],
 ) -> Any:
     from fxflops.capture.trace import TENSOR
 
@@ -308,18 +321,24 @@ def _stand_in(
             layer_state(module),
             layer_attributes(module, ignored),
             tuple(
-                (type(v).__name__, v.dtype, v.dim()) if isinstance(v, torch.Tensor) else repr(v)
+                (type(v).__name__, v.dtype, v.dim(), v.requires_grad) if isinstance(v, torch.Tensor) else repr(v)
                 for v in pytree.tree_leaves((bound.args, bound.kwargs))
             ),
+            torch.is_grad_enabled(),
         )
         if key not in cache:
             tracing_segment[0] = True  # the single-segment trace runs the real forward
             try:
-                with disable_proxy_modes_tracing(), unset_fake_temporarily():
+                # its own trace: outside the outer trace's modes, and outside any activation
+                # checkpoint the module is called in (whose saved-tensor hooks would recompute the
+                # checkpointed block when the one-segment backward reads a saved tensor)
+                with disable_proxy_modes_tracing(), unset_fake_temporarily(), own_phases(), \
+                        torch.autograd.graph.saved_tensors_hooks(_same, _same):
                     cache[key] = trace_segment(module, path, bound, offsets_name, backward)
             finally:
                 tracing_segment[0] = False
         lifted[path], outs = cache[key]
+        call = next(calls)
         markers = []
         for i, (shape, dtype) in enumerate(outs):
             sizes = []
@@ -330,7 +349,7 @@ def _stand_in(
                     sizes.append(int(d))
                 else:
                     raise CaptureError(f"per-segment module {path!r} returns a dim {d} that is not the segment length")
-            markers.append(per_segment_marker(packed, offsets, sizes, dtype, i == 0))
+            markers.append(per_segment_marker(packed, offsets, sizes, dtype, i == 0, call))
         spec, leaves = lifted[path].graph_module.meta["output_structure"]
         tensors = iter(markers)
         return pytree.tree_unflatten([next(tensors) if leaf is TENSOR else leaf for leaf in leaves], spec)

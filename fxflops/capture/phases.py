@@ -32,6 +32,19 @@ PHASE_KEY = "fxflops_phase"
 _state = {"in_backward": False}
 
 
+@contextlib.contextmanager
+def own_phases() -> Iterator[None]:
+    """A nested trace (a lifted module's one-segment trace, made while the outer trace may be in
+    its backward or a recompute) tags its own nodes from ``fwd``, as a trace of its own."""
+    outer = _state["in_backward"]
+    _state["in_backward"] = False
+    try:
+        with fx_traceback.annotate({PHASE_KEY: "fwd"}):
+            yield
+    finally:
+        _state["in_backward"] = outer
+
+
 def phase_of(node: torch.fx.Node) -> str:
     """The phase a captured node ran in."""
     return node.meta.get("custom", {}).get(PHASE_KEY, "fwd")
@@ -72,10 +85,10 @@ def run_backward(outputs: list[torch.Tensor], leaves: list[torch.Tensor]) -> lis
     if not roots:
         return []
     setup_stacktrace_preservation_hooks_from_tensors(roots)
-    _state["in_backward"] = True
+    outer, _state["in_backward"] = _state["in_backward"], True  # nested: a lifted module's own trace
     try:
         with fx_traceback.annotate({PHASE_KEY: "bwd"}):
             torch.autograd.backward(roots, [torch.ones_like(t) for t in roots])
     finally:
-        _state["in_backward"] = False
+        _state["in_backward"] = outer
     return [t.grad for t in leaves if t.requires_grad and t.grad is not None]
