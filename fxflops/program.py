@@ -587,7 +587,7 @@ class Program:
         program.reused = dict(captured.reused)  # layers billed as repeats of a traced layer (capture/reuse.py)
         program.backward = backward
         if isinstance(model, torch.nn.Module):  # the model state the trace depended on (fxflops/situation.py)
-            program.state = ModelState(model, captured.reads, captured.copies, captured.grad)
+            program.state = ModelState(model, captured.reads, captured.copies, captured.grad, captured.constants())
         if backward == "2x":
             program.convention = FLOPCOUNTER.but(backward="2x")
         return program

@@ -252,8 +252,11 @@ def _copied(value: Any) -> Any:
 class StateGuard:
     """One attribute of the traced state: ``key`` of the module at ``path`` (or of the object that
     module holds as attribute ``held``) compared with ``expected`` by ``test``: ``"is"`` (flags, None,
-    objects such as a config), ``"=="`` (numbers, strings, small containers of them) or ``"key"``
-    (tensors and containers holding them, by :func:`value_key` with shapes: a trace's constants)."""
+    objects such as a config), ``"=="`` (numbers, strings, small containers of them), ``"shapes"``
+    (tensors, and containers of them, that the trace used as constants: :func:`value_key` with
+    shapes) or ``"key"`` (tensors it only read, e.g. compared with None: by type, dtype, device,
+    rank; a cache the model's own forward rewrites, such as Qwen2-VL's ``rope_deltas``, keeps its
+    program across batch sizes)."""
 
     label: str
     path: str
@@ -267,7 +270,7 @@ class StateGuard:
             return value is self.expected
         if self.test == "==":
             return value == self.expected
-        return value_key(value, True) == self.expected
+        return value_key(value, self.test == "shapes") == self.expected
 
     def owner(self, model: torch.nn.Module) -> dict:
         """The ``__dict__`` holding the attribute (KeyError/AttributeError when gone)."""
@@ -281,12 +284,15 @@ class ModelState:
 
     ``reads`` are the capture's recorded reads, ``copies`` maps the path of every layer billed as a
     copy of a traced one to that layer's path, ``grad`` says whether the trace ran with grad enabled
-    (then which parameters require grad is part of the state). Guards are kept by module path, so a
+    (then which parameters require grad is part of the state), ``constants`` are the ids of the real
+    tensors the trace used as constants. Guards are kept by module path, so a
     copied or loaded program binds them to its own model again."""
 
-    def __init__(self, model: torch.nn.Module, reads: Reads, copies: dict[str, str], grad: bool) -> None:
+    def __init__(
+        self, model: torch.nn.Module, reads: Reads, copies: dict[str, str], grad: bool, constants: set[int] = frozenset()
+    ) -> None:
         self.model = model
-        self.guards = _guards_from(model, reads, copies)
+        self.guards = _guards_from(model, reads, copies, constants)
         self.requires_grad = {n: p.requires_grad for n, p in model.named_parameters()} if grad else {}
         self._bind()
 
@@ -298,7 +304,10 @@ class ModelState:
         for i, guard in enumerate(self.guards):
             scope[f"_d{i}"], scope[f"_v{i}"] = guard.owner(self.model), guard.expected
             got = f"_d{i}[{guard.key!r}]"
-            tests.append(f"_key({got}, True) == _v{i}" if guard.test == "key" else f"{got} {guard.test} _v{i}")
+            if guard.test in ("key", "shapes"):
+                tests.append(f"_key({got}, {guard.test == 'shapes'}) == _v{i}")
+            else:
+                tests.append(f"{got} {guard.test} _v{i}")
         parameters = dict(self.model.named_parameters())
         frozen = tuple(parameters[n] for n, wanted in self.requires_grad.items() if not wanted)
         if frozen:
@@ -373,7 +382,7 @@ class ModelState:
         self._bind()  # the copy's own objects: identities do not survive a copy
 
 
-def _guards_from(model: torch.nn.Module, reads: Reads, copies: dict[str, str]) -> list[StateGuard]:
+def _guards_from(model: torch.nn.Module, reads: Reads, copies: dict[str, str], constants: set[int]) -> list[StateGuard]:
     """A guard per attribute the trace read (or would have read, in a copied layer), with the value
     it has on the real model after the capture."""
     modules = dict(model.named_modules(remove_duplicate=False))
@@ -392,24 +401,34 @@ def _guards_from(model: torch.nn.Module, reads: Reads, copies: dict[str, str]) -
                 continue  # structure and hooks (the structure check), or not an instance attribute
             value = state[name]
             label = f"{path or '<root>'}.{name}"
-            guards.setdefault((id(state), name), _guard(label, path, None, name, value))
+            guards.setdefault((id(state), name), _guard(label, path, None, name, value, constants))
             inner = getattr(value, "__dict__", None)
             if inner is None or _plain(value):
                 continue
             for attribute in sorted(reads.of_held(value)):
                 if attribute in inner:
-                    guards.setdefault((id(inner), attribute), _guard(f"{label}.{attribute}", path, name, attribute, inner[attribute]))
+                    guard = _guard(f"{label}.{attribute}", path, name, attribute, inner[attribute], constants)
+                    guards.setdefault((id(inner), attribute), guard)
     return list(guards.values())
 
 
-def _guard(label: str, path: str, held: str | None, key: str, value: Any) -> StateGuard:
+def _guard(label: str, path: str, held: str | None, key: str, value: Any, constants: set[int]) -> StateGuard:
     if isinstance(value, (bool, type(None))):
         return StateGuard(label, path, held, key, value, "is")
     if _plain(value):
         return StateGuard(label, path, held, key, _copied(value), "==")
     if isinstance(value, (torch.Tensor, list, tuple, dict)):
-        return StateGuard(label, path, held, key, value_key(value, True), "key")
+        used = any(isinstance(t, torch.Tensor) and id(t) in constants for t in _leaves(value))
+        return StateGuard(label, path, held, key, value_key(value, used), "shapes" if used else "key")
     return StateGuard(label, path, held, key, value, "is")
+
+
+def _leaves(value: Any) -> list:
+    if isinstance(value, dict):
+        return [leaf for v in value.values() for leaf in _leaves(v)]
+    if isinstance(value, (list, tuple)):
+        return [leaf for v in value for leaf in _leaves(v)]
+    return [value]
 
 
 def _short(value: Any) -> str:

@@ -77,6 +77,17 @@ class Captured:
     copies: dict[str, str] = field(default_factory=dict)  # module path -> the traced module it is billed as
     grad: bool = True  # grad mode the trace ran in
 
+    def constants(self) -> set[int]:
+        """Ids of the real tensors the trace used as constants (``make_fx`` keeps each as a
+        ``get_attr`` of its graph; lifted modules' graphs included): their shapes are the trace's."""
+        graphs = [self.graph_module, *(lifted.graph_module for lifted in self.lifted.values())]
+        return {
+            id(getattr(gm, node.target))
+            for gm in graphs
+            for node in gm.graph.nodes
+            if node.op == "get_attr" and isinstance(getattr(gm, node.target, None), torch.Tensor)
+        }
+
     def assumptions(self) -> tuple[int, int]:
         """(guards, replacements) in the ShapeEnv: must not grow after capture, or sizes specialised."""
         return len(self.shape_env.guards), len(self.shape_env.replacements)

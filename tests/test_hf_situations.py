@@ -1,0 +1,124 @@
+"""Hugging Face VLMs: every call counted with the program of its own situation (issue 13).
+
+- Mixed microbatches in any order — text-only, images, videos, images + videos — on every family of
+  the zoo: each call equals FlopCounterMode on the same call (the old failure: a text-only first
+  batch made later image batches drop the vision tower, 8.0 M counted instead of 14.1 M).
+- Changes between calls on Qwen2-VL and LLaVA (train/eval, a frozen vision tower, gradient
+  checkpointing on and off in both of torch's forms, ``logits_to_keep``, ``attention_mask`` given or
+  not, grad mode), over sequences of calls, forward and training, against FlopCounterMode.
+
+Reference: FlopCounterMode on the same model and call, CPU attention counted (``reference.py``); its
+total is exact (only its per-module backward attribution is not, and totals are compared here).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import fxflops
+from fxflops.models import hf_zoo
+from reference import flop_counter_with_cpu_attention
+
+transformers = pytest.importorskip("transformers")
+from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
+
+
+def flop_counter_total(model, batch: dict, backward: bool) -> int:
+    """FlopCounterMode's FLOPs of ``model(**batch)`` as called (+ ``loss.backward()``)."""
+    with flop_counter_with_cpu_attention(), FlopCounterMode(display=False) as counter:
+        out = model(**batch)
+        if backward:
+            out.loss.backward()
+    return counter.get_total_flops()
+
+
+def counted(wrapper, batch: dict, backward: bool) -> int:
+    wrapper.flops.reset()
+    out = wrapper(**batch)
+    if backward:
+        out.loss.backward()
+    assert wrapper.flops.uncounted == 0
+    return wrapper.flops.total()
+
+
+def text_only(batch: dict) -> dict:
+    """The batch's text with every image or video token replaced by an ordinary one."""
+    ids = batch["input_ids"].masked_fill(batch["input_ids"] >= hf_zoo.IMAGE, 7)
+    kept = {k: v for k, v in batch.items() if k in ("attention_mask", "labels")}
+    return {"input_ids": ids, **kept, **({"token_type_ids": torch.zeros_like(ids)} if "token_type_ids" in batch else {})}
+
+
+def kinds_for(family: str) -> list[str]:
+    return ["text", "images", "images+videos", "videos", "text", "images"] if hf_zoo.FAMILIES[family].videos else ["text", "images", "text", "images"]
+
+
+def batch_of(family: str, kind: str, rng: random.Random) -> dict:
+    if kind == "text":
+        return text_only(hf_zoo.random_batch(family, rng, images=1))
+    return hf_zoo.random_batch(family, rng, images=0 if kind == "videos" else rng.randint(1, 3), videos=rng.randint(1, 2) if "videos" in kind else 0)
+
+
+@pytest.mark.parametrize("family", list(hf_zoo.FAMILIES))
+def test_mixed_batches_in_any_order_count_exactly(family):
+    model = hf_zoo.build(family, "sdpa")
+    wrapper = fxflops.instrument(model, strict=True)
+    rng = random.Random(family)
+    kinds = kinds_for(family)
+    rng.shuffle(kinds)
+    with torch.no_grad():
+        for again in (False, True):
+            for kind in kinds:
+                batch = batch_of(family, kind, rng)
+                assert counted(wrapper, batch, False) == flop_counter_total(model, batch, False), (family, kind)
+            if not again:
+                # a program per kind of batch; Qwen's text batches may take one more once the model's
+                # cached rope_deltas (which its forward reads) went from None to a tensor
+                first = wrapper.captures
+                assert len(set(kinds)) <= first <= len(set(kinds)) + 1
+    assert wrapper.captures == first  # every later batch finds its program
+
+
+def _vision(model):
+    base = model.model
+    return getattr(base, "visual", None) or getattr(base, "vision_tower")
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "llava_clip"])
+def test_changes_between_calls_count_exactly(family):
+    torch.manual_seed(0)
+    model = hf_zoo.build(family, "sdpa").train()
+    wrapper = fxflops.instrument(model, backward=True, strict=True, max_programs=32)
+    rng = random.Random(family)
+    vision = _vision(model)
+
+    def freeze_vision():
+        vision.requires_grad_(not next(vision.parameters()).requires_grad)
+
+    def checkpointing():
+        if model.is_gradient_checkpointing:
+            model.gradient_checkpointing_disable()
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": rng.random() < 0.5})
+
+    def train_eval():
+        model.train(not model.training)
+
+    changes = [freeze_vision, checkpointing, train_eval]
+    calls = 0
+    for step in range(12):
+        if step:
+            rng.choice(changes)()
+        batch = hf_zoo.random_batch(family, rng, images=rng.randint(1, 3))
+        if rng.random() < 0.3:
+            batch.pop("attention_mask")
+        if rng.random() < 0.3:  # an inference call keeping only the last position's logits
+            batch = {k: v for k, v in batch.items() if k != "labels"} | {"logits_to_keep": 1}
+            with torch.no_grad():
+                assert counted(wrapper, batch, False) == flop_counter_total(model, batch, False), (family, step)
+        else:
+            assert counted(wrapper, batch, True) == flop_counter_total(model, batch, True), (family, step)
+        calls += 1
+    assert calls == 12 and wrapper.captures > 1
