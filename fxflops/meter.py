@@ -24,6 +24,8 @@ import torch
 
 from fxflops.situation import STRUCTURE
 
+_FOLD_EVERY = 256  # pending calls per accumulator before they are summed (reads fold them too)
+
 if TYPE_CHECKING:
     from fxflops.conventions import Convention
     from fxflops.program import Program
@@ -38,6 +40,7 @@ class Meter:
 
     def __init__(self) -> None:
         self._sums: dict[tuple[int, bool, str], tuple[Program, list[int], bool, str]] = {}
+        self._pending: dict[tuple[int, bool, str], list[tuple]] = {}  # calls not yet folded into _sums
         self.calls = 0
         self.uncounted = 0
         self.steps = 0
@@ -54,6 +57,7 @@ class Meter:
         self._lock = threading.Lock()
         # accumulators are keyed by the identity of their (loaded) programs
         self._sums = {(id(entry[0]), *key[1:]): entry for key, entry in self._sums.items()}
+        self._pending = {key: [] for key in self._sums}
 
     def not_counted(self) -> None:
         """One call that could not be counted."""
@@ -65,17 +69,29 @@ class Meter:
         ``prefix`` is the module path the program's root ran at (a compiled graph of a submodule)."""
         key = (id(program), training, prefix)
         with self._lock:  # calls from several threads add up exactly
-            entry = self._sums.get(key)
-            if entry is None:
+            pending = self._pending.get(key)
+            if pending is None:
                 self._sums[key] = (program, list(monomials), training, prefix)
+                self._pending[key] = []
             else:
-                acc = entry[1]
-                for i, m in enumerate(monomials):
-                    acc[i] += m
+                pending.append(monomials)  # folded by columns, see _fold
+                if len(pending) >= _FOLD_EVERY:
+                    self._fold(key)
             self.calls += 1
+
+    def _fold(self, key: tuple) -> None:
+        """Add the pending calls of ``key`` to its sums, column by column (under the lock)."""
+        pending = self._pending[key]
+        if pending:
+            acc = self._sums[key][1]
+            acc[:] = [a + sum(column) for a, column in zip(acc, zip(*pending))]
+            pending.clear()
 
     def _on_host(self) -> list[tuple[Program, list[int], bool, str]]:
         """Each accumulator as Python ints (one device-to-host copy per device)."""
+        with self._lock:
+            for key in self._pending:
+                self._fold(key)
         return [(program, _to_host(acc), training, prefix) for program, acc, training, prefix in self._sums.values()]
 
     @staticmethod
@@ -123,7 +139,9 @@ class Meter:
 
     def reset(self) -> None:
         """Forget every accumulated call and step; restart the report timer."""
-        self._sums.clear()
+        with self._lock:
+            self._sums.clear()
+            self._pending.clear()
         self.calls = 0
         self.uncounted = 0
         self.steps = 0

@@ -81,21 +81,31 @@ class CallKeys:
     parameter's value by name in signature order, defaults for those not given, so that one call
     made positionally or by keyword, or omitting an argument rather than passing its default, is one
     situation. The binding plan of each layout (how many positional arguments, which keywords) is
-    worked out once."""
+    worked out once, as a generated function."""
 
     def __init__(self, forward: Callable[..., Any]) -> None:
         self._signature = inspect.signature(forward)
-        self._plans: dict[tuple, tuple] = {}
+        self._by_layout: dict[tuple, Callable[[tuple, dict], tuple]] = {}
 
     def __call__(self, args: tuple, kwargs: dict) -> tuple:
         layout = (len(args), tuple(kwargs))
-        plan = self._plans.get(layout)
-        if plan is None:
-            plan = self._plans[layout] = self._plan(args, kwargs)
-        return tuple([
-            (name, default if where is None else value_key(args[where] if type(where) is int else kwargs[where]))
-            for name, where, default in plan
-        ])
+        key = self._by_layout.get(layout)
+        if key is None:
+            key = self._by_layout[layout] = self._compile(args, kwargs)
+        return key(args, kwargs)
+
+    def _compile(self, args: tuple, kwargs: dict) -> Callable[[tuple, dict], tuple]:
+        """The key of calls laid out like this one: straight-line code, defaults as constants."""
+        scope: dict[str, Any] = {"_vk": value_key}
+        parts = []
+        for i, (name, where, default) in enumerate(self._plan(args, kwargs)):
+            if where is None:
+                scope[f"_c{i}"] = (name, default)
+                parts.append(f"_c{i}")
+            else:
+                parts.append(f"({name!r}, _vk({'args' if type(where) is int else 'kwargs'}[{where!r}]))")
+        exec(compile(f"def key(args, kwargs):\n    return ({', '.join(parts)}{',' if parts else ''})\n", "<fxflops call key>", "exec"), scope)  # noqa: S102
+        return scope["key"]
 
     def _plan(self, args: tuple, kwargs: dict) -> tuple:
         """(name, where its value is: a position or a keyword, or None and the key of its default)
@@ -122,7 +132,7 @@ class CallKeys:
         return tuple(plan)
 
     def __getstate__(self) -> dict:
-        return {"_signature": self._signature, "_plans": {}}
+        return {"_signature": self._signature, "_by_layout": {}}
 
 
 def _autocast_key() -> tuple:
@@ -140,18 +150,24 @@ def _autocast_enabled(device: str) -> bool:
         return False
 
 
+_grad, _inference, _any_autocast = torch.is_grad_enabled, torch.is_inference_mode_enabled, torch._C._is_any_autocast_enabled
+_sdpa = (torch._C._get_flash_sdp_enabled, torch._C._get_mem_efficient_sdp_enabled, torch._C._get_math_sdp_enabled, torch._C._get_cudnn_sdp_enabled)
+_fastpath, _default_dtype = torch.backends.mha.get_fastpath_enabled, torch.get_default_dtype
+
+
 def mode_key() -> tuple:
     """Grad, inference and autocast modes, SDPA backends, MHA fast path and default dtype."""
+    flash, efficient, math_, cudnn = _sdpa
     return (
-        torch.is_grad_enabled(),
-        torch.is_inference_mode_enabled(),
-        _autocast_key() if torch._C._is_any_autocast_enabled() else None,
-        torch._C._get_flash_sdp_enabled(),
-        torch._C._get_mem_efficient_sdp_enabled(),
-        torch._C._get_math_sdp_enabled(),
-        torch._C._get_cudnn_sdp_enabled(),
-        torch.backends.mha.get_fastpath_enabled(),
-        torch.get_default_dtype(),
+        _grad(),
+        _inference(),
+        _autocast_key() if _any_autocast() else None,
+        flash(),
+        efficient(),
+        math_(),
+        cudnn(),
+        _fastpath(),
+        _default_dtype(),
     )
 
 

@@ -148,6 +148,10 @@ def capture_graph(gm: torch.fx.GraphModule, example_inputs: list[Any], backward:
     return captured
 
 
+def _described(exc: Exception) -> str:
+    return str(exc) if isinstance(exc, FxFlopsError) else f"internal error {type(exc).__name__}: {exc}"
+
+
 def _graph_call(*args: Any) -> None:
     """The calling convention of a compiled graph: positional arguments only."""
 
@@ -178,10 +182,10 @@ class CountingBackend:
             program = Program.from_capture(
                 capture_graph(gm, example_inputs, self.backward), _graph_call, backward="traced" if self.backward else "none"
             )
-        except FxFlopsError as exc:
+        except Exception as exc:  # noqa: BLE001 - counting never breaks compilation (unless strict)
             if self.strict:
                 raise
-            self._warn(f"a compiled graph is not counted: {exc}")
+            self._warn(f"a compiled graph is not counted: {_described(exc)}")
             return self._uncounted(compiled)
         self.programs.append(program)
         return self._counting(compiled, program, self._anchor(gm, example_inputs))
@@ -230,11 +234,11 @@ class CountingBackend:
                     isinstance(t, torch.Tensor) and t.requires_grad for t in torch.utils._pytree.tree_leaves(out)
                 )
                 meter.add(program, program.monomials(*values), training, prefix_of(args))
-            except FxFlopsError as exc:
+            except Exception as exc:  # noqa: BLE001 - counting never breaks the step (unless strict)
                 if self.strict:
                     raise
-                meter.uncounted += 1
-                self._warn(f"a compiled call is not counted: {exc}")
+                meter.not_counted()
+                self._warn(f"a compiled call is not counted: {_described(exc)}")
             return out
 
         return run
@@ -243,7 +247,7 @@ class CountingBackend:
         meter = self.flops
 
         def run(*args: Any) -> Any:
-            meter.uncounted += 1
+            meter.not_counted()
             return compiled(*args)
 
         return run
