@@ -1,10 +1,13 @@
 """Counting cost of ``instrument()`` vs FlopCounterMode and the plain forward; capture vs torch.export.
 
 Run: ``python benchmarks/overhead.py``. Prints medians of interleaved runs (plain forward,
-FlopCounterMode forward, fxflops counting of the same call, in turn each round) and their ratios, then
-capture time of ``fxflops.trace`` and ``torch.export`` (non-strict, dynamic batch and seq) at 2, 8 and
-24 layers. Targets (issue 2): counting <= 20 us per call, >= 500x cheaper than FlopCounterMode's added
-time, capture <= 0.15 s per transformer layer.
+FlopCounterMode forward, fxflops counting of the same call, in turn each round) and their ratios; the
+per-call cost split into its parts (the call's situation: call key, modes, model state; binding and
+guards; the meter) for a forward and for a training call, at 4 and 24 layers; the cost of a call
+refused after its layout's first failed capture; then capture time of ``fxflops.trace`` and
+``torch.export`` (non-strict, dynamic batch and seq) at 2, 8 and 24 layers. Targets: counting <= 5 us
+per LM call with call identity (issue 13; <= 20 us in issue 2), >= 500x cheaper than FlopCounterMode's
+added time, a refused call <= 50 us, capture <= 0.15 s per transformer layer.
 """
 
 from __future__ import annotations
@@ -58,6 +61,70 @@ def counting_overhead(rounds: int, layers: int, batch: int, seq: int) -> dict[st
     return med
 
 
+def _per_call(fn, calls: int = 2000, rounds: int = 7) -> float:
+    """Median over rounds of the mean time of ``calls`` back-to-back calls, in seconds."""
+    return statistics.median(_seconds(lambda: [fn() for _ in range(calls)]) / calls for _ in range(rounds))
+
+
+def cost_parts(layers: int, batch: int, seq: int, training: bool) -> dict[str, float]:
+    """The per-call cost of ``wrapper._count`` and its parts, for a forward (no grad) or a training
+    call (grad enabled: the model state includes which parameters require grad)."""
+    from fxflops.situation import mode_key
+
+    torch.manual_seed(0)
+    model = TinyGPT(GPTConfig(layers=layers))
+    wrapper = fxflops.instrument(model, dims={"input_ids": {0: "batch", 1: "seq"}}, backward=training)
+    ids = torch.randint(0, model.cfg.vocab, (batch, seq))
+    args, kwargs = (ids,), {}
+    with torch.set_grad_enabled(training):
+        wrapper(ids)
+        program = wrapper.program
+        values = program.binder.values(args, kwargs)
+        monomials = program.monomials(*values)
+        parts = {
+            "total": _per_call(lambda: wrapper._count(args, kwargs, training)),
+            "call key": _per_call(lambda: wrapper._call_keys(args, kwargs)),
+            "modes": _per_call(mode_key),
+            "model state": _per_call(program.state.matches),
+            "binding + guards": _per_call(lambda: program.within_guards(*program.binder.values(args, kwargs))),
+            "monomials + meter": _per_call(lambda: wrapper.flops.add(program, program.monomials(*values), training)),
+        }
+    parts["guards"] = len(program.state.guards) + (len(program.state.requires_grad) if training else 0)
+    del monomials
+    return parts
+
+
+class DataDependent(torch.nn.Module):
+    """Reads tensor values to choose its rows: no symbolic trace exists, every call is refused."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x[: int((x > 0).sum()) % x.shape[0] + 1])
+
+
+def refused_call_cost() -> tuple[float, float]:
+    """(seconds of the first call: the failed capture; seconds per later refused call, other shapes)."""
+    import warnings
+
+    wrapper = fxflops.instrument(DataDependent())
+    inputs = [torch.randn(rows, 64) for rows in range(2, 40)]
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        first = _seconds(lambda: wrapper._prepare((inputs[0],), {}) and _try(wrapper, inputs[0]))
+        later = _per_call(lambda: [_try(wrapper, x) for x in inputs[1:]], calls=50) / len(inputs[1:])
+    return first, later
+
+
+def _try(wrapper, x) -> None:
+    try:
+        wrapper._count((x,), {})
+    except fxflops.FxFlopsError:
+        pass
+
+
 def capture_times(layer_counts: list[int]) -> list[tuple[int, float, float]]:
     rows = []
     for layers in layer_counts:
@@ -93,6 +160,22 @@ def main() -> None:
     print(f"  fxflops counting per call     {med['fxflops'] * us:12.2f} us  (target <= 20 us)")
     print(f"  FlopCounterMode added / fxflops counting = {med['flopcounter_added'] / med['fxflops']:,.0f}x  (target >= 500x)")
     print(f"  fxflops counting / plain forward        = {100 * med['fxflops'] / med['plain']:.4f} %")
+
+    print("\nper-call cost with call identity (median of 7 rounds of 2,000 calls), TinyGPT batch 4 x seq 256")
+    names = ("call key", "modes", "model state", "binding + guards", "monomials + meter")
+    print(f"  {'call':<22} {'total':>8} " + " ".join(f"{n:>17}" for n in names) + f" {'state guards':>13}")
+    for layers in (args.layers, 24):
+        for training in (False, True):
+            parts = cost_parts(layers, args.batch, args.seq, training)
+            label = f"{layers} layers, {'training' if training else 'forward'}"
+            print(f"  {label:<22} {parts['total'] * us:6.2f}us " + " ".join(f"{parts[n] * us:15.2f}us" for n in names) + f" {parts['guards']:>13}")
+    print("  target: <= 5 us per LM call (TinyGPT 4 layers); the model state check grows with the attributes")
+    print("  the trace read and, for training calls, with the parameters (whose requires_grad it checks)")
+
+    first, later = refused_call_cost()
+    print("\na call layout fxflops cannot capture (data-dependent rows), other shapes on every call")
+    print(f"  first call (the failed capture)  {first:10.3f} s")
+    print(f"  each later call, refused at once {later * us:10.2f} us  (target <= 50 us)")
 
     print("\ncapture time (trace once) vs torch.export(strict=False, dynamic batch & seq)")
     print(f"  {'layers':>6}  {'fxflops.trace':>13}  {'per layer':>9}  {'torch.export':>12}  {'export/trace':>12}")

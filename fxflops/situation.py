@@ -332,7 +332,8 @@ class ModelState:
         for i, name in enumerate(n for n, wanted in self.requires_grad.items() if wanted):
             scope[f"_p{i}"] = parameters[name]
             tests.append(f"_p{i}.requires_grad")
-        lines = ["def check():"]
+        operands = ", ".join(f"{name}={name}" for name in scope)  # bound as defaults: fast local loads
+        lines = [f"def check({operands}):"]
         for chunk in _chunks(tests, 64):
             lines.append(f"    if not ({' and '.join(chunk)}): return False")
         lines.append("    return True")
