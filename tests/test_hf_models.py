@@ -21,7 +21,8 @@ from reference import MODEL_FLOPS, assert_training_call_matches, flop_counter_mo
 
 pytest.importorskip("transformers")
 
-BATCHES = 30
+BATCHES = 4  # per family (sdpa) in the default suite; the long suite runs LONG_BATCHES, eager and sdpa
+LONG_BATCHES = 30
 
 
 def top_level(model: torch.nn.Module) -> list[str]:
@@ -42,22 +43,34 @@ def references():
     return {}
 
 
-@pytest.mark.parametrize("attn", ["eager", "sdpa"])
-@pytest.mark.parametrize("family", list(hf_zoo.FAMILIES))
-def test_zero_config_counts_equal_flop_counter_per_module(family, attn, references):
+def check_random_microbatches(family: str, attn: str, batches: int, references: dict) -> None:
+    """``batches`` random training microbatches of ``family`` (``attn``) against FlopCounterMode per
+    top-level module, one capture."""
     if family not in references:
         references[family] = hf_zoo.build(family, "eager")
     reference = references[family]
     wrapper = fxflops.instrument(hf_zoo.build(family, attn), backward=True, strict=True, measure_routing=True)
     modules = top_level(reference)
     rng = random.Random(f"{family}-{attn}")
-    for i in range(BATCHES):
+    for i in range(batches):
         batch = hf_zoo.random_batch(family, rng, **media_counts(family, rng))
         _, got_training, forward, training = assert_training_call_matches(wrapper, reference, batch, modules, (family, attn, i))
         assert training[""] > 2 * forward[""] > 0
         if wrapper.program.experts:  # MoE: the dispatch measured (eager loop, dropless) is the model count
             assert wrapper.flops.breakdown(convention=MODEL_FLOPS.but(moe="actual")) == got_training
     assert wrapper.captures == 1 and wrapper.flops.uncounted == 0
+
+
+@pytest.mark.parametrize("family", list(hf_zoo.FAMILIES))
+def test_zero_config_counts_equal_flop_counter_per_module(family, references):
+    check_random_microbatches(family, "sdpa", BATCHES, references)
+
+
+@pytest.mark.long
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("family", list(hf_zoo.FAMILIES))
+def test_zero_config_counts_equal_flop_counter_per_module_on_many_batches(family, attn, references):
+    check_random_microbatches(family, attn, LONG_BATCHES, references)
     assert not wrapper.program.unsupported
     assert bool(wrapper.program.experts) == family.endswith("_moe")  # each MoE layer's dispatch found
 

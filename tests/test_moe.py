@@ -73,7 +73,7 @@ def moe_modules(model: torch.nn.Module) -> list[str]:
     return [p for p, _ in model.named_modules() if p.endswith(parts)] + ["model.layers.0", "lm_head"]
 
 
-@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("attn", ["eager", pytest.param("sdpa", marks=pytest.mark.long)])
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_moe_counts_equal_flop_counter_per_module(family, attn):
     reference = FAMILIES[family]("eager")

@@ -152,7 +152,7 @@ def _counted(wrapper, args, kwargs, training: bool) -> int:
     return wrapper.flops.total()
 
 
-@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("seed", [0, pytest.param(1, marks=pytest.mark.long)])
 def test_every_change_of_situation_counts_its_own_call(seed):
     torch.manual_seed(seed)
     rng = random.Random(seed)
