@@ -59,6 +59,8 @@ def check_random_microbatches(family: str, attn: str, batches: int, references: 
         if wrapper.program.experts:  # MoE: the dispatch measured (eager loop, dropless) is the model count
             assert wrapper.flops.breakdown(convention=MODEL_FLOPS.but(moe="actual")) == got_training
     assert wrapper.captures == 1 and wrapper.flops.uncounted == 0
+    assert not wrapper.program.unsupported
+    assert bool(wrapper.program.experts) == family.endswith("_moe")  # each MoE layer's dispatch found
 
 
 @pytest.mark.parametrize("family", list(hf_zoo.FAMILIES))
@@ -71,8 +73,6 @@ def test_zero_config_counts_equal_flop_counter_per_module(family, references):
 @pytest.mark.parametrize("family", list(hf_zoo.FAMILIES))
 def test_zero_config_counts_equal_flop_counter_per_module_on_many_batches(family, attn, references):
     check_random_microbatches(family, attn, LONG_BATCHES, references)
-    assert not wrapper.program.unsupported
-    assert bool(wrapper.program.experts) == family.endswith("_moe")  # each MoE layer's dispatch found
 
 
 @pytest.fixture(scope="module")

@@ -87,7 +87,10 @@ def recording_reads(model: torch.nn.Module) -> Iterator[Reads]:
             return original(self, name)
 
         for cls in classes:
-            stack.enter_context(_recording_class(cls, held_names))
+            try:
+                stack.enter_context(_recording_class(cls, held_names))
+            except TypeError:  # an extension type, whose attributes cannot be set: its reads go unrecorded
+                continue
         yield reads
 
 
