@@ -34,6 +34,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from fxflops.capture.adapters import adapter_for
+from fxflops.capture.engines import not_a_microbatch
 from fxflops.capture.trace import capture
 from fxflops.errors import CaptureError, FxFlopsError, GuardError, InputError, MetadataError
 from fxflops.meter import Meter
@@ -144,6 +145,7 @@ class Instrumented(torch.nn.Module):
         self.captures = 0
         self._branches: dict[tuple, _Branch] = {}
         self._warned: set[str] = set()
+        not_a_microbatch()  # marks pipeline stages' shape inference when pipelining is loaded
         self._init_runtime()
 
     def _init_runtime(self) -> None:
@@ -180,6 +182,8 @@ class Instrumented(torch.nn.Module):
             return getattr(object.__getattribute__(self, "model"), name)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if not_a_microbatch():  # a pipeline stage inferring its shapes (capture/engines.py)
+            return self.model(*args, **kwargs)
         found = None
         try:  # found (or captured) before the model runs, so a first call's routing is measured too
             args, kwargs = self._prepare(args, kwargs)

@@ -31,6 +31,7 @@ from fxflops.capture.lifting import Lifted, install_stand_ins, lifted_paths
 from fxflops.capture.reuse import LayerCalledTwice, reusing_repeated_layers
 from fxflops.capture.phases import run_backward, tagging_recompute
 from fxflops.capture.inputs import DimSpec, Path, bind_call, resolve_dims, tensor_leaves
+from fxflops.capture.engines import compute_shapes, engines_left_alone
 from fxflops.capture.isolation import isolated_call, preserving_state
 from fxflops.capture.reads import Reads, recording_reads
 from fxflops.capture.scope import capture_scope, patched
@@ -232,15 +233,17 @@ def trace_graph(
 
     Parameters and buffers enter as static-shaped fake placeholders, swapped in with
     ``functional_call``: the model's real state is never read for compute nor mutated (e.g.
-    BatchNorm's ``num_batches_tracked += 1``). Nodes carry ``nn_module_stack`` relative to ``model``;
+    BatchNorm's ``num_batches_tracked += 1``). A distributed engine's sharded parameters get the
+    shape this rank computes with (``capture/engines.py``). Nodes carry ``nn_module_stack`` relative to ``model``;
     ``gm.meta["output_structure"]`` keeps the output's pytree spec and its non-tensor leaves.
     """
     leaves, tree = pytree.tree_flatten((args, kwargs))
     slots = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
     state = {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers(remove_duplicate=False))}
+    shapes = compute_shapes(model)  # sharded parameters of distributed engines: what this rank computes with
     with mode:
         fake_state = [
-            torch.empty(tuple(t.shape), dtype=t.dtype, device=t.device).requires_grad_(t.requires_grad)
+            torch.empty(tuple(shapes.get(id(t), t.shape)), dtype=t.dtype, device=t.device).requires_grad_(t.requires_grad)
             for t in state.values()
         ]
 
@@ -347,7 +350,7 @@ def capture(
     slots = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
     with capture_scope():
         own_args, own_kwargs, uncopied = isolated_call(args, kwargs)
-        with preserving_state(model, uncopied), recording_reads(model) as reads, _attaching(reads):
+        with preserving_state(model, uncopied), engines_left_alone(model), recording_reads(model) as reads, _attaching(reads):
             for reusing in (True, False):  # without reuse when a layer runs twice (capture/reuse.py)
                 env = BlamingShapeEnv()
                 mode = FakeTensorMode(shape_env=env, allow_non_fake_inputs=True)

@@ -47,9 +47,9 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
         cfg = self.cfg
-        q = self.q_proj(x).view(b, s, cfg.heads, cfg.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, s, cfg.kv_heads, cfg.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, s, cfg.kv_heads, cfg.head_dim).transpose(1, 2)
+        q = self.q_proj(x).view(b, s, -1, cfg.head_dim).transpose(1, 2)  # -1: local heads under tensor parallelism
+        k = self.k_proj(x).view(b, s, -1, cfg.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, s, -1, cfg.head_dim).transpose(1, 2)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         return self.o_proj(y.transpose(1, 2).reshape(b, s, -1))
 

@@ -1,0 +1,245 @@
+"""Distributed engines on CPU with gloo: each rank counts what it computes, the engine is untouched
+(issue 15). Ranks are spawned by the test on localhost; every spawn is bounded in time.
+
+- FSDP2 (``fully_shard`` per layer and at the root, bf16 ``MixedPrecisionPolicy``) and DDP, each in
+  both wrapping orders, 3 training steps with a different batch per rank: every rank's count equals
+  FlopCounterMode on the unsharded model for its batches, the report's global count is their sum, and
+  losses and parameters equal those of the same run without fxflops.
+- Tensor parallel, TP = 2 on TinyGPT (column/row-parallel attention, MLP and head): each rank counts
+  its shards, the ranks sum to the unsharded model's count, and losses equal the uninstrumented run.
+- Pipelining: ``Schedule1F1B`` on 2 stages and ``ScheduleInterleaved1F1B`` with 2 virtual chunks per
+  rank: every layer once per microbatch (the stages' one-time shape inference is not a microbatch).
+
+References are computed in the test process: FlopCounterMode (CPU attention counted) on an
+unsharded copy of the model with the same batches.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+import fxflops
+from fxflops.models.tiny_gpt import GPTConfig, TinyGPT
+from reference import flop_counter_call
+
+CFG = GPTConfig(vocab=100, hidden=32, heads=4, kv_heads=2, ffn=48, layers=2)
+STEPS = 3
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def spawn(fn, world: int, *args, timeout: float = 240.0) -> dict:
+    """Run ``fn(rank, world, port, results, *args)`` on ``world`` processes; their ``results``."""
+    results = mp.Manager().dict()
+    context = mp.start_processes(fn, args=(world, _free_port(), results, *args), nprocs=world, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout
+    while not context.join(timeout=5):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            raise TimeoutError(f"{fn.__name__} did not finish within {timeout} s")
+    return dict(results)
+
+
+def _init(rank: int, world: int, port: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    warnings.simplefilter("ignore")
+
+
+def _batch(rank: int, step: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(1000 * rank + step)
+    return torch.randint(0, CFG.vocab, (1 + rank, 5 + step + 2 * rank), generator=generator)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _wrap(engine: str, module: nn.Module) -> nn.Module:
+    if engine == "ddp":
+        return nn.parallel.DistributedDataParallel(module)
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for layer in module.layers:
+        fully_shard(layer, mp_policy=policy)
+    fully_shard(module, mp_policy=policy)
+    return module
+
+
+def _engine_rank(rank: int, world: int, port: int, results, engine: str, order: str) -> None:
+    """3 training steps of TinyGPT under ``engine`` without fxflops, then the same with it (``order``:
+    "instrument_first", instrument then wrap, or "wrap_first")."""
+    _init(rank, world, port)
+    results[rank] = (_train(rank, engine, None), _train(rank, engine, order))
+    dist.destroy_process_group()
+
+
+def _train(rank: int, engine: str, order: str | None) -> tuple:
+    torch.manual_seed(0)
+    model = TinyGPT(CFG)
+    wrapper = fxflops.instrument(model, backward=True, strict=True) if order == "instrument_first" else None
+    wrapped = _wrap(engine, wrapper if engine == "ddp" and wrapper is not None else model)
+    if order == "wrap_first":
+        wrapper = fxflops.instrument(wrapped, backward=True, strict=True)
+    step_module = wrapped if (order is None or engine == "ddp" and order == "instrument_first") else wrapper
+    optimizer = torch.optim.SGD(step_module.parameters(), lr=0.5)
+    losses = []
+    for step in range(STEPS):
+        loss = step_module(_batch(rank, step)).float().mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+        if wrapper is not None:
+            wrapper.flops.step()
+    parameters = [_local(p).detach().float().clone() for p in step_module.parameters()]
+    counted = None
+    if wrapper is not None:
+        local = wrapper.flops.total()
+        report = wrapper.flops.report(elapsed_s=1.0, peak_flops=1e12)
+        counted = (local, report.hardware_flops, report.world_size, wrapper.captures, report.uncounted)
+    return losses, parameters, counted
+
+
+def _unsharded_reference(world: int) -> list[int]:
+    """FlopCounterMode's count of each rank's 3 training steps on the unsharded model."""
+    torch.manual_seed(0)
+    model = TinyGPT(CFG)
+    return [sum(flop_counter_call(model, (_batch(rank, step),), {}, backward=True) for step in range(STEPS)) for rank in range(world)]
+
+
+@pytest.mark.parametrize("order", ["instrument_first", "wrap_first"])
+@pytest.mark.parametrize("engine", ["fsdp2", "ddp"])
+def test_data_parallel_engines_count_each_rank_and_stay_untouched(engine, order):
+    world = 2
+    runs = spawn(_engine_rank, world, engine, order)
+    expected = _unsharded_reference(world)
+    for rank in range(world):
+        plain, (losses, parameters, (local, global_, world_size, captures, uncounted)) = runs[rank]
+        assert losses == plain[0], (engine, order, rank)  # the engine trains exactly as without fxflops
+        assert all(torch.equal(a, b) for a, b in zip(parameters, plain[1])), (engine, order, rank)
+        assert local == expected[rank], (engine, order, rank)
+        assert global_ == sum(expected) and world_size == world and uncounted == 0
+        assert captures == 1
+
+
+TP_PLAN_LAYER = {
+    "attn.q_proj": "colwise", "attn.k_proj": "colwise", "attn.v_proj": "colwise", "attn.o_proj": "rowwise",
+    "mlp.gate_proj": "colwise", "mlp.up_proj": "colwise", "mlp.down_proj": "rowwise",
+}
+
+
+def _tensor_parallel_rank(rank: int, world: int, port: int, results) -> None:
+    _init(rank, world, port)
+    results[rank] = (_train_tensor_parallel(world, False), _train_tensor_parallel(world, True))
+    dist.destroy_process_group()
+
+
+def _train_tensor_parallel(world: int, instrumented: bool) -> tuple:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    torch.manual_seed(0)
+    model = TinyGPT(CFG)
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    plan = {f"layers.{i}.{path}": styles[kind]() for i in range(CFG.layers) for path, kind in TP_PLAN_LAYER.items()}
+    plan["lm_head"] = ColwiseParallel(output_layouts=Replicate())
+    parallelize_module(model, init_device_mesh("cpu", (world,)), plan)
+    step_module = fxflops.instrument(model, backward=True, strict=True) if instrumented else model
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    losses = []
+    for step in range(STEPS):  # tensor-parallel ranks see the same batch
+        loss = step_module(_batch(0, step)).float().mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    counted = None
+    if instrumented:
+        local = step_module.flops.total()
+        counted = (local, step_module.flops.report(elapsed_s=1.0, peak_flops=1e12).hardware_flops)
+    return losses, counted
+
+
+def test_tensor_parallel_ranks_count_their_shards():
+    world = 2
+    runs = spawn(_tensor_parallel_rank, world)
+    torch.manual_seed(0)
+    model = TinyGPT(CFG)
+    unsharded = sum(flop_counter_call(model, (_batch(0, step),), {}, backward=True) for step in range(STEPS))
+    locals_ = [runs[rank][1][1][0] for rank in range(world)]
+    assert sum(locals_) == unsharded and locals_[0] == locals_[1] == unsharded // 2  # every matmul sharded in two
+    for rank in range(world):
+        plain, (losses, (_, global_)) = runs[rank]
+        assert losses == plain[0]
+        assert global_ == unsharded  # the report's global sum: the replica's work, once
+
+
+class Layer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(16, 48)
+        self.down = nn.Linear(48, 16)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(x)))
+
+
+LAYERS, MICROBATCHES = 8, 4
+
+
+def _pipeline_rank(rank: int, world: int, port: int, results, schedule: str) -> None:
+    _init(rank, world, port)
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
+
+    torch.manual_seed(0)
+    layers = [Layer() for _ in range(LAYERS)]
+    chunks = [rank, rank + world] if schedule == "interleaved" else [rank]
+    stages_total = world * len(chunks)
+    per_chunk = LAYERS // stages_total
+    meter = fxflops.Meter()
+    stages = [
+        PipelineStage(
+            fxflops.instrument(nn.Sequential(*layers[c * per_chunk : (c + 1) * per_chunk]), backward=True, strict=True, meter=meter),
+            c, stages_total, torch.device("cpu"),
+        )
+        for c in chunks
+    ]
+    loss = lambda out, target: out.sum()  # noqa: E731
+    runner = ScheduleInterleaved1F1B(stages, MICROBATCHES, loss_fn=loss) if schedule == "interleaved" else Schedule1F1B(stages[0], MICROBATCHES, loss_fn=loss)
+    x, target = torch.randn(8, 5, 16, generator=torch.Generator().manual_seed(1)), torch.zeros(8, 5, 16)
+    for _ in range(2):
+        if rank == 0:
+            runner.step(x, target=target)
+        else:
+            runner.step(target=target)
+        meter.step()
+    results[rank] = meter.report(elapsed_s=1.0, peak_flops=1e12).hardware_flops
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
+def test_pipeline_schedules_count_every_layer_once_per_microbatch(schedule):
+    world = 2
+    results = spawn(_pipeline_rank, world, schedule)
+    torch.manual_seed(0)
+    whole = nn.Sequential(*[Layer() for _ in range(LAYERS)])
+    x = torch.randn(8, 5, 16, generator=torch.Generator().manual_seed(1))
+    expected = 2 * sum(flop_counter_call(whole, (mb,), {}, backward=True) for mb in x.chunk(MICROBATCHES))
+    assert results[0] == results[1] == expected
