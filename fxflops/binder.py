@@ -35,6 +35,7 @@ from fxflops.capture.segments import ELEMENT, Family, column
 from fxflops.errors import InputError, MetadataError
 
 _PRINTER = PythonPrinter()
+VALID = sympy.Symbol("metadata_valid", integer=True, nonnegative=True)  # 0 for a call whose device metadata is malformed
 
 
 def python_source(expr: sympy.Expr, names: dict[sympy.Symbol, str]) -> str:
@@ -68,6 +69,7 @@ class Binder:
         symbols: tuple[sympy.Symbol, ...],
         stats: dict[sympy.Symbol, tuple[Family, int]] | None = None,
         strict_metadata: bool = False,
+        flags: dict[str, sympy.Symbol] | None = None,
     ) -> None:
         self._signature = inspect.signature(forward)
         self._forward = forward
@@ -75,6 +77,9 @@ class Binder:
         self.symbols = symbols
         self.stats = stats or {}
         self.strict_metadata = strict_metadata
+        # per segment family (by name): the symbol whose value is 1 when this call's metadata on a
+        # device is malformed, and VALID: 0 when any is (see ``_stat_lines``)
+        self.flags = flags or {}
         # CPU metadata is read on the host (no device involved). False computes it with tensor ops
         # as on an accelerator: the same code path, so it can be checked on a CPU-only machine.
         self.host_metadata = True
@@ -153,6 +158,8 @@ class Binder:
                     lines.append(f"        {var[sym]} = sum([{power} for _a in _v])")
                 else:
                     lines.append(f"        {var[sym]} = sum([_c * {power} for _a, _c in zip(_v, _w)])")
+            if name in self.flags:  # host metadata was checked: malformed raised MetadataError above
+                lines.append(f"        {var[self.flags[name]]} = 0")
             lines.append("    else:")
             if values.diff:
                 lines.append(f"        _m{f} = _m{f}.long()")
@@ -166,7 +173,26 @@ class Binder:
                 lines.append(f"        _check_device({label!r}, _m{f}, _v, _w, {values.diff}, {bounds}, {exact})")
             for sym, k in wanted:
                 lines.append(f"        {var[sym]} = (_w * _v ** {k}).sum()")
+            if name in self.flags:  # the host checks above as tensor ops: a flag, read with the sums
+                lines.append(f"        {var[self.flags[name]]} = {self._malformed(f, family, packed, covered)}")
+        if self.flags:
+            valid = " * ".join(f"(1 - {var[s]})" for s in self.flags.values())
+            lines.append(f"    {var[VALID]} = {valid}")
         return lines
+
+    @staticmethod
+    def _malformed(f: int, family: Family, packed: list[str], covered: list[str]) -> str:
+        """Source of a 0-d int64 tensor on the metadata's device: 1 when the host checks would fail
+        (offsets not from 0, a negative length, past the packed length, not covering a lifted
+        module's rows, a segment outside a lifted module's conditions), computed without a sync."""
+        tests = ["(_v < 0).any()", "(_w < 0).any()" if family.lengths.weights is not None else None]
+        if family.lengths.values.diff:
+            tests.append(f"(_m{f}[:1] != 0).any()")
+        tests += [f"((_w * _v).sum() > {p})" for p in packed] + [f"((_w * _v).sum() != {c})" for c in covered]
+        if family.conditions:
+            ok = " & ".join(f"({python_source(c, {ELEMENT: '_v'})})" for c in sorted(family.conditions, key=str))
+            tests.append(f"(~({ok}) & (_w != 0)).any()" if family.lengths.weights is not None else f"(~({ok})).any()")
+        return "(" + " | ".join(f"({t})" for t in tests if t) + ").long()"
 
     def _compile(self, args: tuple, kwargs: dict) -> Callable[[tuple, dict], tuple[int, ...]]:
         """Generate the reader for calls laid out like this one."""
@@ -202,7 +228,8 @@ class Binder:
                 test = " or ".join(f"t{j}[{d}] != {python_source(e, var)}" for d, e in expected.items())
                 wants = ", ".join(f"({d}, {python_source(e, var)}, {str(e)!r})" for d, e in expected.items())
                 checks.append(f"    if {test}: _fail_dims({label!r}, t{j}, ({wants},))")
-        unread = [str(s) for s in self.symbols if s not in reads and s not in self.stats]
+        computed = set(self.stats) | set(self.flags.values()) | ({VALID} if self.flags else set())
+        unread = [str(s) for s in self.symbols if s not in reads and s not in computed]
         if unread:
             raise InputError(f"no input dimension carries symbol(s) {unread}")
         # all reads first (shape lookups), then the checks that may use any symbol, then segments
@@ -220,6 +247,7 @@ class Binder:
             _fail_segments=_fail_segments,
             _binder=self,
             _mul=operator.mul,
+            torch=torch,
         )
         return scope["read"]
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import threading
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -176,11 +177,16 @@ class Meter:
         hosted = self._on_host()
         forward, backward = (self.breakdown(depth, phase, convention, hosted) for phase in ("fwd", "bwd"))
         sums = {name: self.symbol_total(symbol, hosted) for name, symbol in (counters or {}).items() if symbol}
+        malformed: dict[str, int] = {}
+        for program, acc, _, _ in hosted:
+            for name, n in program.malformed(acc).items():
+                malformed[name] = malformed.get(name, 0) + n
         return sums | {
             "phases": {ph: self.total(ph, convention, hosted) for ph in ("fwd", "bwd", "recompute")},
             "modules": {path: forward.get(path, 0) + backward.get(path, 0) for path in forward | backward},
-            "calls": self.calls,
-            "uncounted": self.uncounted,
+            "calls": self.calls - sum(malformed.values()),
+            "uncounted": self.uncounted + sum(malformed.values()),
+            "malformed": malformed,
             "steps": self.steps,
         }
 
@@ -192,9 +198,9 @@ class Meter:
 
         gathered: list[Any] = [None] * dist.get_world_size(group)
         dist.all_gather_object(gathered, totals, group=group)
-        merged: dict[str, Any] = {"phases": {}, "modules": {}, "calls": 0, "uncounted": 0, "steps": 0}
+        merged: dict[str, Any] = {"phases": {}, "modules": {}, "malformed": {}, "calls": 0, "uncounted": 0, "steps": 0}
         for part in gathered:
-            for key in ("phases", "modules"):
+            for key in ("phases", "modules", "malformed"):
                 for name, value in part[key].items():
                     merged[key][name] = merged[key].get(name, 0) + value
             merged["calls"] += part["calls"]
@@ -257,8 +263,11 @@ class Meter:
             peak_source=source,
             calls=totals["calls"],
             uncounted=totals["uncounted"],
+            malformed=totals["malformed"],
             unsupported=sorted({u.op for p, *_ in self._sums.values() for u in p.unsupported}),
         )
+        if report.malformed:
+            warnings.warn(f"fxflops: {report.malformed_text()}", stacklevel=2)
         if reset:
             self.reset()
         return report
@@ -290,7 +299,16 @@ class Report:
     peak_source: str = ""
     calls: int = 0
     uncounted: int = 0
+    malformed: dict[str, int] = field(default_factory=dict)  # metadata input -> calls its device metadata broke
     unsupported: list[str] = field(default_factory=list)  # ops with no rule: FLOPs are a lower bound
+
+    def malformed_text(self) -> str:
+        """The calls whose metadata on a device was malformed, in words (they are in ``uncounted``)."""
+        parts = ", ".join(f"{n} call(s) with {name!r}" for name, n in sorted(self.malformed.items()))
+        return (
+            f"malformed segment metadata on a device ({parts}: offsets not from 0, decreasing, past the packed "
+            "length, or not covering a per-segment module's rows); those calls were not counted"
+        )
 
     @property
     def model_flops(self) -> int:
@@ -367,6 +385,8 @@ class Report:
                 lines.append(f"  {path:<24} {100 * flops / total:5.1f}%  {self._per_gpu_per_s(flops) / 1e12:.4g} TFLOP/s")
         if self.uncounted:
             lines.append(f"  {self.uncounted} call(s) not counted (see the warnings)")
+        if self.malformed:
+            lines.append(f"  {self.malformed_text()}")
         if self.unsupported:
             lines.append(f"  lower bound: ops without a FLOPs rule ran: {', '.join(self.unsupported)}")
         return "\n".join(lines)

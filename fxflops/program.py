@@ -26,7 +26,7 @@ import sympy
 import torch
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
-from fxflops.binder import Binder, generated, python_source
+from fxflops.binder import VALID, Binder, generated, python_source
 from fxflops.capture.adapters import Adapter
 from fxflops.capture.inputs import path_label
 import fxflops.capture.reuse  # noqa: F401 - registers fxflops::repeat_layer
@@ -35,7 +35,7 @@ from fxflops.capture.phases import phase_of
 from fxflops.capture.segments import ELEMENT, Family, SegmentAnalysis, op_name
 from fxflops.capture.trace import Captured, Guard
 from fxflops.conventions import FLOPCOUNTER, Convention
-from fxflops.errors import CaptureError, GuardError, InputError, UnboundSymbolError
+from fxflops.errors import CaptureError, GuardError, InputError, MetadataError, UnboundSymbolError
 from fxflops.rules import entry_for, segment_args
 from fxflops.rules.elementwise import elementwise_flops
 from fxflops.rules.not_counted import is_not_counted, touches_floats
@@ -461,6 +461,11 @@ def _depth(path: str) -> int:
     return 0 if path == "" else path.count(".") + 1
 
 
+def _exact_int(value: Any) -> int:
+    """A monomial value as a Python int (a 0-d tensor from device metadata is read: a sync)."""
+    return int(value.item()) if isinstance(value, torch.Tensor) else value
+
+
 _PROBES = (2, 3, 5, 7, 16, 100, 4097)
 
 
@@ -575,9 +580,11 @@ class Program:
             )
         by_name = {f.name: f for f in analysis.families.values()}
         stats = {by_name[name].power_sum(k): (by_name[name], k) for name, k in analysis.requested}
-        symbols = tuple(sorted([*captured.symbols.values(), *stats], key=str))
+        # device metadata is checked on the device: a flag per family, and VALID, 0 for a malformed call
+        flags = {name: sympy.Symbol(f"malformed_{path_label(by_name[name].source)}") for name in sorted({n for n, _ in analysis.requested})}
+        symbols = tuple(sorted([*captured.symbols.values(), *stats, *flags.values(), *((VALID,) if flags else ())], key=str))
         forward = model.forward if isinstance(model, torch.nn.Module) else model
-        binder = Binder(forward, captured.input_dims, symbols, stats, strict_metadata)
+        binder = Binder(forward, captured.input_dims, symbols, stats, strict_metadata, flags)
         families = sorted({family.name: family for family, _ in stats.values()}.values(), key=lambda f: f.name)
         paths = (n for n, _ in model.named_modules()) if isinstance(model, torch.nn.Module) else ()
         experts = list(expert_modules(graph))
@@ -679,7 +686,10 @@ class Program:
         params = ", ".join(names.values())
         regular = self.basis[: len(self.basis) - len(self.routed) - (2 if self.experts else 0)]
         tail = ["0"] * len(self.routed) + (["1", "0"] if self.experts else [])
-        monomials = ", ".join([python_source(m, names) for m in regular] + tail)
+        # a call whose device metadata is malformed adds nothing but its malformed flags (Meter.report)
+        flags = set(self.binder.flags.values()) | {VALID}
+        valid = f" * {names[VALID]}" if VALID in names else ""
+        monomials = ", ".join([python_source(m, names) + ("" if m in flags else valid) for m in regular] + tail)
         exact = [_exactly(g.expr, self.all_symbols) for g in self.guards]
         checks = " and ".join(
             f"({python_source(g.expr, names)})" if evaluator is None else f"_exact[{i}]({params})"
@@ -731,7 +741,7 @@ class Program:
         if missing or unknown:
             problem = f"no value for symbol(s) {missing}" if missing else f"unknown symbol(s) {unknown}"
             raise UnboundSymbolError(f"{problem}; the program's symbols are {[str(s) for s in required]}")
-        ordered = tuple(int(values.get(str(s), 0)) for s in self.all_symbols)
+        ordered = tuple(int(values.get(str(s), 1 if s is VALID else 0)) for s in self.all_symbols)
         if not self.within_guards(*ordered):
             raise GuardError(self.explain_guard_failure(ordered))
         return ordered
@@ -766,8 +776,15 @@ class Program:
         total = 0
         for ph in phases:
             for col, coeff in rows.get((module, ph), ()):
-                total += coeff * monomial_sums[col]
+                total += coeff * _exact_int(monomial_sums[col])  # Python ints: no int64 overflow
         return total // denominator
+
+    def malformed(self, monomial_sums: tuple | list) -> dict[str, int]:
+        """``{metadata input: calls whose metadata on a device was malformed}`` in accumulated
+        monomials (those calls added nothing else)."""
+        column = {m: i for i, m in enumerate(self.basis)}
+        found = {str(flag)[len("malformed_"):]: _exact_int(monomial_sums[column[flag]]) for flag in self.binder.flags.values()}
+        return {name: n for name, n in found.items() if n}
 
     def total(self, phase: str | None = None, convention: Convention | None = None, **values: int) -> int:
         """Total FLOPs at these symbol values, e.g. ``program.total(seq=2048)``."""
@@ -818,11 +835,16 @@ class Program:
             raise GuardError(f"the model is not in the state it was traced in: {self.state.mismatch()}")
 
     def count(self, *args: Any, **kwargs: Any) -> int:
-        """FLOPs of ``model(*args, **kwargs)`` from the batch's shapes, without running the model."""
+        """FLOPs of ``model(*args, **kwargs)`` from the batch's shapes, without running the model
+        (metadata on a device is read: an explicit count may sync)."""
         values = self.values(*args, **kwargs)
         if not self.within_guards(*values):
             raise GuardError(self.explain_guard_failure(values))
-        return self.evaluate(self.monomials(*values))
+        monomials = self.monomials(*values)
+        malformed = self.malformed(monomials)
+        if malformed:
+            raise MetadataError(f"malformed segment metadata {sorted(malformed)} (offsets not from 0, decreasing, or past the packed length)")
+        return self.evaluate(monomials)
 
     def describe_symbols(self) -> dict[str, str]:
         """What each symbol means: an input dimension or a segment power sum."""
