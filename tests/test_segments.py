@@ -50,6 +50,64 @@ def test_device_path_gives_the_same_power_sums(program):
     assert (int(values["cu_seqlens_p2"]), int(values["image_grid_thw_p2"])) == (text, frames)
 
 
+def _malformed_variants(batch):
+    """(what is wrong, inputs) for metadata the host checks would refuse."""
+    inputs = list(batch.inputs())
+    cu, grid = batch.cu_seqlens, batch.image_grid_thw
+
+    def replaced(index, tensor):
+        changed = list(inputs)
+        changed[index] = tensor
+        return tuple(changed)
+
+    decreasing = cu.clone()
+    decreasing[1], decreasing[2] = int(cu[2]), int(cu[1])
+    shifted = cu + 1
+    overlong = cu.clone()
+    overlong[-1] += 5
+    too_many_patches = grid.clone()
+    too_many_patches[0, 0] += 3
+    return [
+        ("cu_seqlens", replaced(1, decreasing)),
+        ("cu_seqlens", replaced(1, shifted)),
+        ("cu_seqlens", replaced(1, overlong)),
+        ("image_grid_thw", replaced(3, too_many_patches)),
+    ]
+
+
+def test_device_metadata_is_validated_on_the_device_and_reported():
+    """On an accelerator the binder cannot read metadata without a sync; it checks it with tensor ops
+    instead: a malformed call adds nothing, and the report names the input and how many calls."""
+    torch.manual_seed(0)
+    model = TinyVLM(CFG)
+    wrapper = fxflops.instrument(model, dims=DIMS)
+    rng = random.Random(11)
+    good = [random_batch(CFG, rng) for _ in range(3)]
+    with torch.no_grad():
+        wrapper(*good[0].inputs())
+        program = wrapper.program
+        expected = sum(program.count(*b.inputs()) for b in good)  # the host path: validated, exact
+        program.binder.host_metadata = False  # the accelerator path, on CPU tensors
+        try:
+            wrapper.flops.reset()
+            for batch in good:
+                wrapper(*batch.inputs())
+            malformed = [variant for batch in good for variant in _malformed_variants(batch)]
+            for _, inputs in malformed:
+                wrapper(*inputs)
+            assert wrapper.flops.total() == expected  # the malformed calls added nothing
+            with pytest.warns(UserWarning, match="malformed segment metadata on a device.*'cu_seqlens'"):
+                report = wrapper.flops.report(elapsed_s=1.0)
+            by_input = {"cu_seqlens": 9, "image_grid_thw": 3}
+            assert report.malformed == by_input and report.uncounted == 12 and report.calls == 3
+            assert "call(s) with 'image_grid_thw'" in str(report)
+            for name, inputs in malformed[:4]:
+                with pytest.raises(fxflops.MetadataError, match=name):
+                    program.count(*inputs)
+        finally:
+            program.binder.host_metadata = True
+
+
 def test_binding_reads_no_metadata_values_on_meta_or_fake_tensors(program):
     """Binding works on meta-device and fake metadata: it never reads values to the host (which
     would be a host-device sync on an accelerator)."""
