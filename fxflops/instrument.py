@@ -18,6 +18,13 @@ preparing, matching, capturing or counting a call reaches the caller — the cal
 ``wrapper.flops.uncounted`` and the cause is warned about once. A call layout whose capture failed is
 not traced again on every call: the refusal is kept for its situation and size class (sizes 0, 1 or
 more per dim), and a situation is tried at most :data:`MAX_ATTEMPTS` times.
+
+With ``torch.compile``, either order works. ``instrument(torch.compile(model))`` runs the compiled
+module and captures its original one (``capture/engines.py``: :func:`traced_module`).
+``torch.compile(instrument(model))`` compiles the model's call and keeps the counting eager: under
+Dynamo the wrapper's forward looks the program up and adds the count in functions Dynamo does not
+trace (``torch.compiler.disable``: a graph break on each side of the model's call; with
+``fullgraph=True`` compile the model and instrument the compiled module instead).
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from fxflops.capture.adapters import adapter_for
-from fxflops.capture.engines import not_a_microbatch
+from fxflops.capture.engines import not_a_microbatch, traced_module
 from fxflops.capture.trace import capture
 from fxflops.errors import CaptureError, FxFlopsError, GuardError, InputError, MetadataError
 from fxflops.meter import Meter
@@ -128,7 +135,8 @@ class Instrumented(torch.nn.Module):
         self._non_persistent_buffers_set = model._non_persistent_buffers_set
         self._modules = model._modules
         self.training = model.training
-        object.__setattr__(self, "model", model)
+        object.__setattr__(self, "model", model)  # what a call runs
+        object.__setattr__(self, "traced", traced_module(model))  # whose code a capture traces
         self.dims = dims
         self.segments = segments
         self.per_segment = per_segment
@@ -137,9 +145,9 @@ class Instrumented(torch.nn.Module):
         self.on_miss = on_miss
         self.strict = strict
         self.max_programs = max_programs
-        self.adapter = adapter_for(model)
-        self._call_keys = CallKeys(model.forward)
-        self.routing = RoutingProbes(model) if measure_routing else None
+        self.adapter = adapter_for(self.traced)
+        self._call_keys = CallKeys(self.traced.forward)
+        self.routing = RoutingProbes(self.traced) if measure_routing else None
         self.programs: list[Program] = []
         self.flops = meter if meter is not None else Meter()
         self.captures = 0
@@ -152,7 +160,7 @@ class Instrumented(torch.nn.Module):
         """What a copy or a load rebuilds: the forward with the model's signature, the capture lock."""
         # forward keeps the model's signature: frameworks read it (the HF Trainer keeps only the
         # dataset columns that are forward parameters, and finds label names there)
-        self.forward = types.MethodType(_with_signature(type(self).forward, self.model.forward), self)
+        self.forward = types.MethodType(_with_signature(type(self).forward, self.traced.forward), self)
         self._lock = threading.Lock()
 
     def __getstate__(self) -> dict:
@@ -182,24 +190,46 @@ class Instrumented(torch.nn.Module):
             return getattr(object.__getattribute__(self, "model"), name)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():  # torch.compile(instrument(model)): see the module docstring
+            return self._compiled_forward(args, kwargs)
+        args, kwargs, found = self._look_up(args, kwargs)
+        out = self.model(*args, **kwargs)
+        self._add(found, out)
+        return out
+
+    def _compiled_forward(self, args: tuple, kwargs: dict) -> Any:
+        args, kwargs, found = self._look_up_eagerly(args, kwargs)
+        out = self.model(*args, **kwargs)
+        self._add_eagerly(found, out)
+        return out
+
+    def _look_up(self, args: tuple, kwargs: dict) -> tuple[tuple, dict, tuple | None]:
+        """The call as the model runs it, and its (program, symbol values), or None when it is not
+        counted. Found (or captured) before the model runs, so a first call's routing is measured too."""
         if not_a_microbatch():  # a pipeline stage inferring its shapes (capture/engines.py)
-            return self.model(*args, **kwargs)
-        found = None
-        try:  # found (or captured) before the model runs, so a first call's routing is measured too
+            return args, kwargs, None
+        try:
             args, kwargs = self._prepare(args, kwargs)
             found = self._program_for(args, kwargs)
             if self.routing is not None:
                 self.routing.take()  # measurements of an earlier call that was not counted
+            return args, kwargs, found
         except Exception as exc:  # noqa: BLE001 - the one fail-open boundary (module docstring)
             self._not_counted(exc)
-        out = self.model(*args, **kwargs)
-        if found is not None:
-            try:
-                training = self.backward != "none" and torch.is_grad_enabled() and _requires_grad(out)
-                self.flops.add(found[0], self._monomials(*found), training)
-            except Exception as exc:  # noqa: BLE001 - the one fail-open boundary
-                self._not_counted(exc)
-        return out
+            return args, kwargs, None
+
+    def _add(self, found: tuple | None, out: Any) -> None:
+        """Add the call's count to the meter (its backward too when one can follow)."""
+        if found is None:
+            return
+        try:
+            training = self.backward != "none" and torch.is_grad_enabled() and _requires_grad(out)
+            self.flops.add(found[0], self._monomials(*found), training)
+        except Exception as exc:  # noqa: BLE001 - the one fail-open boundary
+            self._not_counted(exc)
+
+    _look_up_eagerly = torch.compiler.disable(_look_up)
+    _add_eagerly = torch.compiler.disable(_add)
 
     def _not_counted(self, exc: Exception) -> None:
         """A call fxflops could not count: raise when asked to, else count it as uncounted and warn once."""
@@ -218,7 +248,7 @@ class Instrumented(torch.nn.Module):
         except Exception as exc:
             if self.strict:
                 raise
-            self._warn_once(f"{type(self.model).__name__}: could not derive metadata: {type(exc).__name__}: {exc}")
+            self._warn_once(f"{type(self.traced).__name__}: could not derive metadata: {type(exc).__name__}: {exc}")
             return args, kwargs
 
     def _count(self, args: tuple, kwargs: dict, training: bool = False) -> None:
@@ -243,7 +273,7 @@ class Instrumented(torch.nn.Module):
                 return program, miss
             if not branch.programs and self.programs:
                 miss = self._nearest_difference(situation)
-            name = type(self.model).__name__
+            name = type(self.traced).__name__
             if self.programs and self.on_miss == "raise":
                 raise GuardError(f"{name}: {miss}")
             if len(self.programs) >= self.max_programs:
@@ -271,7 +301,7 @@ class Instrumented(torch.nn.Module):
         branch.attempts += 1
         try:
             captured = capture(
-                self.model,
+                self.traced,
                 args,
                 kwargs,
                 self.dims,
@@ -281,7 +311,7 @@ class Instrumented(torch.nn.Module):
                 adapter=self.adapter,
             )
             rule = self.backward if backward or self.backward != "traced" else "none"
-            program = Program.from_capture(captured, self.model, self.segments, self.strict_metadata, rule)
+            program = Program.from_capture(captured, self.traced, self.segments, self.strict_metadata, rule)
         except Exception as exc:
             reason = str(exc) if isinstance(exc, FxFlopsError) else f"capture failed: {type(exc).__name__}: {exc}"
             branch.refusals.append(_Refusal(sizes, self._refused_state(exc), reason))
@@ -303,7 +333,7 @@ class Instrumented(torch.nn.Module):
         the refusal holds while the model stays in it."""
         reads = getattr(exc, "fxflops_reads", None)
         try:
-            return ModelState(self.model, *reads) if reads is not None else None
+            return ModelState(self.traced, *reads) if reads is not None else None
         except Exception:  # noqa: BLE001 - then the refusal holds in any state
             return None
 

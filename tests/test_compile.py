@@ -98,3 +98,60 @@ def test_symbols_are_named_after_the_inputs():
     assert [str(s) for s in counter.programs[0].symbols] == ["input_ids_0", "input_ids_1"]
     assert counter.flops.total(phase="bwd") == 0  # a no_grad forward counts the forward only
     assert counter.flops.total() == fxflops.trace(TinyGPT(CFG), (torch.randint(0, 100, (3, 17)),)).total(input_ids_0=3, input_ids_1=17)
+
+
+# --- torch.compile on top of instrument(), and instrument() of a compiled model ------------------
+
+
+def _compiled_orders(model: torch.nn.Module, backend: str):
+    """Both orders: the model compiled and then instrumented, and the instrumented wrapper compiled;
+    each as (what to call, the wrapper that counts)."""
+    inner = fxflops.instrument(torch.compile(model, backend=backend, dynamic=True), backward=True, strict=True)
+    outer_wrapper = fxflops.instrument(model, backward=True, strict=True)
+    outer = torch.compile(outer_wrapper, backend=backend, dynamic=True)
+    return {"instrument(compile(model))": (inner, inner), "compile(instrument(model))": (outer, outer_wrapper)}
+
+
+def test_either_compile_order_counts_every_call_exactly():
+    """Forward-and-backward and no-grad calls at changing shapes: each order counts what FlopCounterMode
+    counts on the plain model for the same call, returns the plain model's outputs, and names the
+    modules as the model does."""
+    from reference import flop_counter_call
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = BrokenGPT(CFG)
+    for order, (call, wrapper) in _compiled_orders(model, "aot_eager").items():
+        for i, (b, s) in enumerate(shapes(6)):
+            ids = torch.randint(0, 100, (b, s))
+            grad = i % 3 != 2
+            before = wrapper.flops.total()
+            with torch.set_grad_enabled(grad):
+                out = call(ids)
+                if grad:
+                    out.sum().backward()
+                expected_out = model(ids)
+            torch.testing.assert_close(out, expected_out)
+            with torch.set_grad_enabled(grad):
+                expected = flop_counter_call(model, (ids,), {}, backward=grad)
+            assert wrapper.flops.total() - before == expected, (order, b, s, grad)
+        assert wrapper.flops.uncounted == 0, order
+        assert "layers.0.attn" in wrapper.flops.breakdown(), order  # no "_orig_mod." prefix
+        model.zero_grad()
+
+
+def test_a_compiled_submodule_is_captured_as_written():
+    """A model holding a compiled submodule: the capture runs the submodule's original code."""
+    from reference import flop_counter_call
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = TinyGPT(CFG)
+    model.layers[1].mlp = torch.compile(model.layers[1].mlp, backend="aot_eager", dynamic=True)
+    wrapper = fxflops.instrument(model, backward=True, strict=True)
+    for b, s in shapes(4):
+        ids = torch.randint(0, 100, (b, s))
+        before = wrapper.flops.total()
+        wrapper(ids).sum().backward()
+        assert wrapper.flops.total() - before == flop_counter_call(model, (ids,), {}, backward=True), (b, s)
+    assert wrapper.captures == 1

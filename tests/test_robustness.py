@@ -7,8 +7,8 @@
 - A refused call layout costs one capture attempt, not one per call.
 - A capture leaves a key-value cache passed to the model, and the model's own attributes, as they
   were; no fake tensor reaches an output.
-- Threads: a model used in another thread during a capture sees none of the capture's patches; two
-  threads making the first call both count exactly.
+- Threads: a model (plain or compiled) used in another thread during a capture sees none of the
+  capture's patches; two threads making the first call both count exactly.
 - ``torch.save``/``torch.load``, ``copy.deepcopy`` and ``pickle`` of wrappers and programs.
 - ``fxflops.ops.varlen_attention`` forward and backward under FlopCounterMode.
 """
@@ -228,12 +228,15 @@ def test_a_capture_leaves_a_kv_cache_untouched():
 
 def test_a_model_in_another_thread_sees_none_of_the_capture():
     """While another thread captures VLMs (packed pieces, layout-oblivious copies, checkpoint tags,
-    read recording), plain tensor code here behaves exactly as always."""
+    read recording, FX's tracing flag), plain tensor code and compiled modules here behave exactly as
+    always."""
     from fxflops.models import hf_zoo
 
     import random
 
     stop, failures = threading.Event(), []
+    compiled = torch.compile(torch.nn.Linear(3, 3), backend="eager")
+    compiled(torch.zeros(4, 3))  # compiled before the capture starts
 
     def plain_work():
         x = torch.arange(12.0).reshape(4, 3)
@@ -247,6 +250,8 @@ def test_a_model_in_another_thread_sees_none_of_the_capture():
                 with pytest.raises(RuntimeError, match="single memory location"):
                     torch.zeros(1, 3).expand(4, 3).add_(1)  # the in-place overlap check still holds
                 assert F.linear(x, torch.eye(3)).equal(x)
+                assert not torch.fx._symbolic_trace.is_fx_tracing()
+                assert compiled(x).shape == (4, 3)  # Dynamo does not see the capture's FX trace
             except Exception as exc:  # noqa: BLE001 - reported below
                 failures.append(repr(exc))
                 return

@@ -22,6 +22,11 @@ for the next real step), and must still see the arithmetic each rank does:
   backward). That is the schedule's bookkeeping, not a microbatch: :func:`not_a_microbatch` tells
   ``instrument()`` to run such calls uncounted.
 
+- **torch.compile** wraps a module in an ``OptimizedModule`` that runs the original module's code
+  compiled: :func:`traced_module` is that original module, which a capture traces (its submodule
+  names are the model's own, without ``_orig_mod.``). Compiled code a capture reaches inside a model
+  runs as written (``capture/scope.py``).
+
 Engine hooks (forward hooks whose function comes from ``torch.distributed``) are suspended in the
 capturing thread only (``capture/scope.py``): a real step in another thread keeps them.
 Communication is not arithmetic and is not counted.
@@ -99,6 +104,14 @@ def _ddp_class() -> type | None:
     from torch.nn.parallel import DistributedDataParallel
 
     return DistributedDataParallel
+
+
+def traced_module(model: torch.nn.Module) -> torch.nn.Module:
+    """The module whose code runs when ``model`` is called: through ``torch.compile``'s wrappers."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")  # no compiled module before Dynamo is loaded
+    while eval_frame is not None and isinstance(model, eval_frame.OptimizedModule):
+        model = model._orig_mod
+    return model
 
 
 def compute_shapes(model: torch.nn.Module) -> dict[int, torch.Size]:

@@ -12,6 +12,12 @@ capturing at once must not install and remove each other's patches.
 - :func:`patched` replaces ``owner.name`` by a dispatcher that calls the replacement in a capturing
   thread and the original everywhere else, and puts the original back when the block ends. A patch
   that is already installed (a nested capture) is not installed twice.
+- FX keeps "a symbolic trace is running" in one process-wide flag (``torch.fx._symbolic_trace``), which
+  ``make_fx`` sets for the whole capture. A compiled module (``torch.compile``) called in another thread reads
+  it and refuses to run ("FX to symbolically trace a dynamo-optimized function"). While a capture
+  runs, the flag's readers answer for the calling thread (:func:`_fx_tracing_for_this_thread`), and
+  compiled code reached by the capture itself runs as written (Dynamo inlines it instead of raising):
+  a capture traces what a compiled module computes.
 """
 
 from __future__ import annotations
@@ -20,6 +26,9 @@ import contextlib
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
+
+import torch
+import torch.fx._symbolic_trace as _fx_trace
 
 _LOCK = threading.RLock()
 _local = threading.local()
@@ -36,9 +45,52 @@ def capture_scope() -> Iterator[None]:
     with _LOCK:
         _local.depth = getattr(_local, "depth", 0) + 1
         try:
-            yield
+            if _local.depth == 1:
+                with _fx_tracing_for_this_thread():
+                    yield
+            else:
+                yield
         finally:
             _local.depth -= 1
+
+
+def _fx_tracing_here() -> bool:
+    """FX's tracing flag as the calling thread sees it while a capture runs: set only by the capture,
+    so true only in the capturing thread."""
+    return capturing() and bool(_fx_trace._is_fx_tracing_flag)
+
+
+def _is_fx_tracing_per_thread() -> bool:  # the code of torch.fx's is_fx_tracing while a capture runs
+    is_fx_tracing_warning()  # noqa: F821 - a global of torch.fx._symbolic_trace, where this code runs
+    return __fxflops_fx_tracing_here__()  # noqa: F821 - installed there by _fx_tracing_for_this_thread
+
+
+def _is_fx_symbolic_tracing_per_thread() -> bool:  # ... and of is_fx_symbolic_tracing
+    return __fxflops_fx_tracing_here__() and not torch.compiler.is_compiling()  # noqa: F821
+
+
+@contextlib.contextmanager
+def _fx_tracing_for_this_thread() -> Iterator[None]:
+    """For the block: FX's tracing-flag readers answer per thread, and Dynamo runs compiled code that
+    a capture reaches as written. The readers' code is swapped, not the functions: Dynamo keeps a
+    reference to ``is_fx_symbolic_tracing`` in every compiled wrapper it made."""
+    import torch._dynamo.config as dynamo_config
+
+    readers = {
+        _fx_trace.is_fx_tracing: _is_fx_tracing_per_thread.__code__,
+        _fx_trace.is_fx_symbolic_tracing: _is_fx_symbolic_tracing_per_thread.__code__,
+    }
+    originals = {reader: reader.__code__ for reader in readers}
+    _fx_trace.__fxflops_fx_tracing_here__ = _fx_tracing_here
+    for reader, code in readers.items():
+        reader.__code__ = code
+    try:
+        with dynamo_config.patch(error_on_nested_fx_trace=False):
+            yield
+    finally:
+        for reader, code in originals.items():
+            reader.__code__ = code
+        del _fx_trace.__fxflops_fx_tracing_here__
 
 
 _MARK = "__fxflops_patch__"
