@@ -2,11 +2,12 @@
 (issue 15). Ranks are spawned by the test on localhost; every spawn is bounded in time.
 
 - FSDP2 (``fully_shard`` per layer and at the root, bf16 ``MixedPrecisionPolicy``) and DDP, each in
-  both wrapping orders, 3 training steps with a different batch per rank: every rank's count equals
+  both wrapping orders, and FSDP2 under ``torch.compile`` in both orders, 3 training steps with a different batch per rank: every rank's count equals
   FlopCounterMode on the unsharded model for its batches, the report's global count is their sum, and
   losses and parameters equal those of the same run without fxflops.
 - Tensor parallel, TP = 2 on TinyGPT (column/row-parallel attention, MLP and head): each rank counts
-  its shards, the ranks sum to the unsharded model's count, and losses equal the uninstrumented run.
+  its shards, the ranks sum to the unsharded model's count, and losses equal the uninstrumented run;
+  TP = 2 inside 2 FSDP2 replicas on 4 ranks: the global count is the replicas' work, once each.
 - Pipelining: ``Schedule1F1B`` on 2 stages and ``ScheduleInterleaved1F1B`` with 2 virtual chunks per
   rank: every layer once per microbatch (the stages' one-time shape inference is not a microbatch).
 
@@ -83,20 +84,31 @@ def _wrap(engine: str, module: nn.Module) -> nn.Module:
 
 def _engine_rank(rank: int, world: int, port: int, results, engine: str, order: str) -> None:
     """3 training steps of TinyGPT under ``engine`` without fxflops, then the same with it (``order``:
-    "instrument_first", instrument then wrap, or "wrap_first")."""
+    see :func:`_train`)."""
     _init(rank, world, port)
-    results[rank] = (_train(rank, engine, None), _train(rank, engine, order))
+    plain = "compiled" if order.startswith("compile") else None
+    results[rank] = (_train(rank, engine, plain), _train(rank, engine, order))
     dist.destroy_process_group()
 
 
 def _train(rank: int, engine: str, order: str | None) -> tuple:
+    """``order``: None (no fxflops), "instrument_first", "wrap_first"; "compile_first"
+    (``instrument(torch.compile(wrapped))``) and "compile_last" (``torch.compile(instrument(wrapped))``),
+    whose run without fxflops (order "compiled") is ``torch.compile(wrapped)``."""
     torch.manual_seed(0)
     model = TinyGPT(CFG)
     wrapper = fxflops.instrument(model, backward=True, strict=True) if order == "instrument_first" else None
     wrapped = _wrap(engine, wrapper if engine == "ddp" and wrapper is not None else model)
-    if order == "wrap_first":
+    if order in ("compiled", "compile_first"):
+        wrapped = torch.compile(wrapped, backend="aot_eager", dynamic=True)
+    if order in ("wrap_first", "compile_first", "compile_last"):
         wrapper = fxflops.instrument(wrapped, backward=True, strict=True)
-    step_module = wrapped if (order is None or engine == "ddp" and order == "instrument_first") else wrapper
+    if order == "compile_last":
+        step_module = torch.compile(wrapper, backend="aot_eager", dynamic=True)
+    elif order is None or order == "compiled" or engine == "ddp" and order == "instrument_first":
+        step_module = wrapped
+    else:
+        step_module = wrapper
     optimizer = torch.optim.SGD(step_module.parameters(), lr=0.5)
     losses = []
     for step in range(STEPS):
@@ -123,8 +135,13 @@ def _unsharded_reference(world: int) -> list[int]:
     return [sum(flop_counter_call(model, (_batch(rank, step),), {}, backward=True) for step in range(STEPS)) for rank in range(world)]
 
 
-@pytest.mark.parametrize("order", ["instrument_first", "wrap_first"])
-@pytest.mark.parametrize("engine", ["fsdp2", "ddp"])
+@pytest.mark.parametrize(
+    ("engine", "order"),
+    [
+        ("fsdp2", "instrument_first"), ("fsdp2", "wrap_first"), ("ddp", "instrument_first"), ("ddp", "wrap_first"),
+        ("fsdp2", "compile_first"), ("fsdp2", "compile_last"),
+    ],
+)
 def test_data_parallel_engines_count_each_rank_and_stay_untouched(engine, order):
     world = 2
     runs = spawn(_engine_rank, world, engine, order)
@@ -189,6 +206,59 @@ def test_tensor_parallel_ranks_count_their_shards():
         plain, (losses, (_, global_)) = runs[rank]
         assert losses == plain[0]
         assert global_ == unsharded  # the report's global sum: the replica's work, once
+
+
+def _two_dimensional_rank(rank: int, world: int, port: int, results) -> None:
+    _init(rank, world, port)
+    results[rank] = (_train_two_dimensional(rank, False), _train_two_dimensional(rank, True))
+    dist.destroy_process_group()
+
+
+def _train_two_dimensional(rank: int, instrumented: bool) -> tuple:
+    """TP = 2 inside each of 2 FSDP2 data-parallel replicas (a (dp, tp) = (2, 2) mesh); each replica
+    its own batches, instrumented after wrapping."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    torch.manual_seed(0)
+    model = TinyGPT(CFG)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    plan = {f"layers.{i}.{path}": styles[kind]() for i in range(CFG.layers) for path, kind in TP_PLAN_LAYER.items()}
+    plan["lm_head"] = ColwiseParallel(output_layouts=Replicate())
+    parallelize_module(model, mesh["tp"], plan)
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    step_module = fxflops.instrument(model, backward=True, strict=True) if instrumented else model
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    replica = mesh["dp"].get_local_rank()
+    losses = []
+    for step in range(STEPS):
+        loss = step_module(_batch(replica, step)).float().mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    counted = None
+    if instrumented:
+        local = step_module.flops.total()  # before the report, which starts the next interval
+        report = step_module.flops.report(elapsed_s=1.0, peak_flops=1e12)
+        counted = (replica, local, report.hardware_flops, report.world_size)
+    return losses, counted
+
+
+def test_tensor_parallel_inside_fsdp2_replicas_sums_to_the_replicas_work():
+    world = 4
+    runs = spawn(_two_dimensional_rank, world, timeout=400)
+    replicas = _unsharded_reference(2)  # FlopCounterMode on the unsharded model, each replica's batches
+    for rank in range(world):
+        plain, (losses, (replica, local, global_, world_size)) = runs[rank]
+        assert losses == plain[0], rank
+        assert local == replicas[replica] // 2, rank  # its half of every matrix product of its replica
+        assert global_ == sum(replicas) and world_size == world
 
 
 class Layer(nn.Module):
