@@ -373,7 +373,7 @@ class Report:
         mfu = f"MFU {100 * self.mfu:.1f}% HFU {100 * self.hfu:.1f}%" if self.mfu is not None else f"no MFU ({self.peak_source})"
         lines = [
             f"{self.steps} step(s) in {self.elapsed_s:.3f} s on {self.world_size} device(s): "
-            f"{self.tflops_per_gpu:.4g} TFLOP/s per GPU, {mfu}",
+            f"{self.tflops_per_gpu:.4g} TFLOP/s per GPU{self._divisor_text()}, {mfu}",
             f"  per step: fwd {self.flops.get('fwd', 0) / self.steps:,.0f}  bwd {self.flops.get('bwd', 0) / self.steps:,.0f}  "
             f"recompute {self.flops.get('recompute', 0) / self.steps:,.0f} FLOPs ({self.convention.name})",
         ]
@@ -390,6 +390,9 @@ class Report:
         if self.unsupported:
             lines.append(f"  lower bound: ops without a FLOPs rule ran: {', '.join(self.unsupported)}")
         return "\n".join(lines)
+
+    def _divisor_text(self) -> str:
+        return f" (the {self.world_size} ranks' global FLOPs / time / {self.world_size})" if self.world_size > 1 else ""
 
 
 def _depth(path: str) -> int:
