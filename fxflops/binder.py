@@ -30,7 +30,7 @@ import torch
 from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP
 from torch.utils._sympy.printers import PythonPrinter
 
-from fxflops.capture.inputs import Path, bind_call, path_label
+from fxflops.capture.inputs import Attr, Path, bind_call, path_label
 from fxflops.capture.segments import ELEMENT, Family, column
 from fxflops.errors import InputError, MetadataError
 
@@ -102,7 +102,7 @@ class Binder:
         """Source text reaching the tensor at ``path`` from ``args``/``kwargs``."""
         head, rest = path[0], path[1:]
         code = positions[head]
-        return code + "".join(f"[{step!r}]" for step in rest)
+        return code + "".join(f".{step.name}" if isinstance(step, Attr) else f"[{step!r}]" for step in rest)
 
     def _stat_lines(self, positions: dict[str, str], var: dict[sympy.Symbol, str]) -> list[str]:
         """Code computing every segment power sum, family by family (see the module docstring)."""

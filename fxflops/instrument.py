@@ -43,6 +43,7 @@ import torch.utils._pytree as pytree
 from fxflops.capture.adapters import adapter_for
 from fxflops.capture.engines import not_a_microbatch, traced_module
 from fxflops.capture.trace import capture
+from fxflops.generation import counting_own_calls, generated_tokens
 from fxflops.errors import CaptureError, FxFlopsError, GuardError, InputError, MetadataError
 from fxflops.meter import Meter
 from fxflops.program import Program, backward_rule
@@ -218,15 +219,36 @@ class Instrumented(torch.nn.Module):
             self._not_counted(exc)
             return args, kwargs, None
 
-    def _add(self, found: tuple | None, out: Any) -> None:
-        """Add the call's count to the meter (its backward too when one can follow)."""
+    def _add(self, found: tuple | None, out: Any, phase: str = "fwd") -> None:
+        """Add the call's count to the meter (its backward too when one can follow; else its forward
+        as ``phase``)."""
         if found is None:
             return
         try:
             training = self.backward != "none" and torch.is_grad_enabled() and _requires_grad(out)
-            self.flops.add(found[0], self._monomials(*found), training)
+            self.flops.add(found[0], self._monomials(*found), training, phase=phase)
         except Exception as exc:  # noqa: BLE001 - the one fail-open boundary
             self._not_counted(exc)
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        """The model's ``generate`` (transformers), every forward it makes counted: the prompt's as
+        phase ``prefill``, each later step's as ``decode`` (``fxflops/generation.py``); the tokens it
+        produced are added to ``flops.generated_tokens``."""
+        generate = self.traced.generate  # an AttributeError naming the model when it has none
+
+        def count(phase: str, forward: Any, call_args: tuple, call_kwargs: dict) -> Any:
+            call_args, call_kwargs, found = self._look_up(call_args, call_kwargs)
+            out = forward(*call_args, **call_kwargs)
+            self._add(found, out, phase)
+            return out
+
+        with counting_own_calls(self.traced, count):
+            out = generate(*args, **kwargs)
+        try:
+            self.flops.generated_tokens += generated_tokens(self.traced, args, kwargs, out)
+        except Exception as exc:  # noqa: BLE001 - the fail-open boundary
+            self._not_counted(exc)
+        return out
 
     _look_up_eagerly = torch.compiler.disable(_look_up)
     _add_eagerly = torch.compiler.disable(_add)

@@ -6,6 +6,9 @@ come from device metadata (segment power sums) are 0-d tensors and accumulate on
 are copied to the host once per read. Totals and breakdowns are ``C · Σm`` at read time, in exact
 Python integers (no overflow at 10²¹ FLOPs).
 
+Generation (``Instrumented.generate``) adds its forwards as phases of their own: ``prefill`` (the
+prompt's forward) and ``decode`` (each step after it), beside ``fwd``, ``bwd`` and ``recompute``.
+
 For training: microbatches (gradient accumulation included) add up, ``meter.step()`` closes an
 optimizer step, and ``meter.report()`` turns everything since the last report into a :class:`Report`
 — FLOPs per step by phase, TFLOP/s per GPU, MFU and HFU against the device's peak, per-module TFLOP/s
@@ -26,6 +29,9 @@ import torch
 from fxflops.situation import STRUCTURE
 
 _FOLD_EVERY = 256  # pending calls per accumulator before they are summed (reads fold them too)
+TRAINING = "training"  # the kind of a call that adds every phase its program has
+FORWARD_KINDS = ("fwd", "prefill", "decode")  # kinds of forward-only calls, each counted as its own phase
+PHASES = ("fwd", "bwd", "recompute", "prefill", "decode")
 
 if TYPE_CHECKING:
     from fxflops.conventions import Convention
@@ -36,13 +42,15 @@ class Meter:
     """FLOPs accumulated over calls: ``total(phase=None)``, ``breakdown(depth, phase)``, ``reset()``.
 
     A call is added either as a training call (every phase its program has: forward, backward,
-    recompute) or as a forward-only call (an inference forward: only ``fwd`` counts).
+    recompute) or as a forward-only call, whose forward counts as its kind's phase: ``fwd`` (an
+    inference forward), ``prefill`` or ``decode`` (generation).
     """
 
     def __init__(self) -> None:
-        self._sums: dict[tuple[int, bool, str], tuple[Program, list[int], bool, str]] = {}
-        self._pending: dict[tuple[int, bool, str], list[tuple]] = {}  # calls not yet folded into _sums
+        self._sums: dict[tuple[int, str, str], tuple[Program, list[int], str, str]] = {}
+        self._pending: dict[tuple[int, str, str], list[tuple]] = {}  # calls not yet folded into _sums
         self.calls = 0
+        self.generated_tokens = 0
         self.uncounted = 0
         self.steps = 0
         self._started = time.perf_counter()
@@ -65,14 +73,20 @@ class Meter:
         with self._lock:
             self.uncounted += 1
 
-    def add(self, program: Program, monomials: tuple[int, ...], training: bool = True, prefix: str = "") -> None:
-        """Add one call's monomial vector for ``program`` (``training=False``: forward only).
-        ``prefix`` is the module path the program's root ran at (a compiled graph of a submodule)."""
-        key = (id(program), training, prefix)
+    def add(
+        self, program: Program, monomials: tuple[int, ...], training: bool = True, prefix: str = "", phase: str = "fwd"
+    ) -> None:
+        """Add one call's monomial vector for ``program`` (``training=False``: forward only, counted
+        as ``phase``: one of :data:`FORWARD_KINDS`). ``prefix`` is the module path the program's root
+        ran at (a compiled graph of a submodule)."""
+        if phase not in FORWARD_KINDS:
+            raise ValueError(f"phase must be one of {FORWARD_KINDS}, not {phase!r}")
+        kind = TRAINING if training else phase
+        key = (id(program), kind, prefix)
         with self._lock:  # calls from several threads add up exactly
             pending = self._pending.get(key)
             if pending is None:
-                self._sums[key] = (program, list(monomials), training, prefix)
+                self._sums[key] = (program, list(monomials), kind, prefix)
                 self._pending[key] = []
             else:
                 pending.append(monomials)  # folded by columns, see _fold
@@ -88,34 +102,34 @@ class Meter:
             acc[:] = [a + sum(column) for a, column in zip(acc, zip(*pending))]
             pending.clear()
 
-    def _on_host(self) -> list[tuple[Program, list[int], bool, str]]:
+    def _on_host(self) -> list[tuple[Program, list[int], str, str]]:
         """Each accumulator as Python ints (one device-to-host copy per device)."""
         with self._lock:
             for key in self._pending:
                 self._fold(key)
-        return [(program, _to_host(acc), training, prefix) for program, acc, training, prefix in self._sums.values()]
+        return [(program, _to_host(acc), kind, prefix) for program, acc, kind, prefix in self._sums.values()]
 
     @staticmethod
-    def _phase(phase: str | None, training: bool) -> str | tuple[str, ...] | None:
-        """The phases a kind of call contributes to a query for ``phase``."""
-        if training:
-            return phase
-        return ("fwd",) if phase in (None, "fwd") else ()
+    def _phase(phase: str | None, kind: str) -> str | tuple[str, ...] | None:
+        """The program phases a kind of call contributes to a query for ``phase``."""
+        if kind == TRAINING:
+            return phase if phase not in FORWARD_KINDS[1:] else ()
+        return ("fwd",) if phase in (None, kind) else ()
 
     def total(self, phase: str | None = None, convention: Convention | None = None, _hosted: list | None = None) -> int:
         """FLOPs of every counted call since the last reset (all phases unless ``phase``), under
         ``convention`` (default: each program's own)."""
         return sum(
-            program.evaluate(acc, "", self._phase(phase, training), convention)
-            for program, acc, training, _ in (_hosted if _hosted is not None else self._on_host())
+            program.evaluate(acc, "", self._phase(phase, kind), convention)
+            for program, acc, kind, _ in (_hosted if _hosted is not None else self._on_host())
         )
 
     def model_flops(self, convention: Convention | None = None) -> int:
-        """Forward + backward: the numerator of MFU (recomputation is not useful work)."""
-        return self.total("fwd", convention) + self.total("bwd", convention)
+        """Every phase but recompute: the numerator of MFU (recomputation is not useful work)."""
+        return self.total(None, convention) - self.total("recompute", convention)
 
     def hardware_flops(self, convention: Convention | None = None) -> int:
-        """Forward + backward + activation-checkpointing recompute: the numerator of HFU."""
+        """Every phase, activation-checkpointing recompute included: the numerator of HFU."""
         return self.total(None, convention)
 
     def breakdown(
@@ -127,8 +141,8 @@ class Meter:
     ) -> dict[str, int]:
         """Inclusive FLOPs per module path accumulated since the last reset."""
         out: dict[str, int] = {}
-        for program, acc, training, prefix in _hosted if _hosted is not None else self._on_host():
-            phases = self._phase(phase, training)
+        for program, acc, kind, prefix in _hosted if _hosted is not None else self._on_host():
+            phases = self._phase(phase, kind)
             for path in program.modules(None if depth is None else depth - _depth(prefix)):
                 full = ".".join(p for p in (prefix, path) if p)
                 out[full] = out.get(full, 0) + program.evaluate(acc, path, phases, convention)
@@ -146,6 +160,7 @@ class Meter:
         self.calls = 0
         self.uncounted = 0
         self.steps = 0
+        self.generated_tokens = 0
         self._started = time.perf_counter()
 
     def exclude_time(self, seconds: float) -> None:
@@ -175,15 +190,16 @@ class Meter:
         device accumulators are copied to the host once. ``counters`` maps a name (``tokens``) to the
         symbol whose sum it is."""
         hosted = self._on_host()
-        forward, backward = (self.breakdown(depth, phase, convention, hosted) for phase in ("fwd", "bwd"))
+        useful = [self.breakdown(depth, phase, convention, hosted) for phase in PHASES if phase != "recompute"]
         sums = {name: self.symbol_total(symbol, hosted) for name, symbol in (counters or {}).items() if symbol}
         malformed: dict[str, int] = {}
         for program, acc, _, _ in hosted:
             for name, n in program.malformed(acc).items():
                 malformed[name] = malformed.get(name, 0) + n
         return sums | {
-            "phases": {ph: self.total(ph, convention, hosted) for ph in ("fwd", "bwd", "recompute")},
-            "modules": {path: forward.get(path, 0) + backward.get(path, 0) for path in forward | backward},
+            "phases": {ph: self.total(ph, convention, hosted) for ph in PHASES},
+            "modules": {path: sum(by_path.get(path, 0) for by_path in useful) for path in set().union(*useful)},
+            "generated_tokens": self.generated_tokens,
             "calls": self.calls - sum(malformed.values()),
             "uncounted": self.uncounted + sum(malformed.values()),
             "malformed": malformed,
@@ -198,13 +214,16 @@ class Meter:
 
         gathered: list[Any] = [None] * dist.get_world_size(group)
         dist.all_gather_object(gathered, totals, group=group)
-        merged: dict[str, Any] = {"phases": {}, "modules": {}, "malformed": {}, "calls": 0, "uncounted": 0, "steps": 0}
+        merged: dict[str, Any] = {
+            "phases": {}, "modules": {}, "malformed": {}, "calls": 0, "uncounted": 0, "steps": 0, "generated_tokens": 0,
+        }
         for part in gathered:
             for key in ("phases", "modules", "malformed"):
                 for name, value in part[key].items():
                     merged[key][name] = merged[key].get(name, 0) + value
             merged["calls"] += part["calls"]
             merged["uncounted"] += part["uncounted"]
+            merged["generated_tokens"] += part["generated_tokens"]
             merged["steps"] = max(merged["steps"], part["steps"])
             for counter in ("tokens", "images"):
                 if counter in part:
@@ -263,6 +282,7 @@ class Meter:
             peak_source=source,
             calls=totals["calls"],
             uncounted=totals["uncounted"],
+            generated_tokens=totals["generated_tokens"],
             malformed=totals["malformed"],
             unsupported=sorted({u.op for p, *_ in self._sums.values() for u in p.unsupported}),
         )
@@ -292,7 +312,7 @@ class Report:
     world_size: int
     convention: Convention
     flops: dict[str, int]  # by phase, over the reported steps
-    modules: dict[str, int]  # model FLOPs (fwd + bwd) per module path
+    modules: dict[str, int]  # model FLOPs (every phase but recompute) per module path
     tokens: int | None = None
     images: int | None = None
     peak_flops: float | None = None
@@ -300,6 +320,7 @@ class Report:
     calls: int = 0
     uncounted: int = 0
     malformed: dict[str, int] = field(default_factory=dict)  # metadata input -> calls its device metadata broke
+    generated_tokens: int = 0  # tokens generate() produced (every row's, prompt excluded)
     unsupported: list[str] = field(default_factory=list)  # ops with no rule: FLOPs are a lower bound
 
     def malformed_text(self) -> str:
@@ -312,13 +333,24 @@ class Report:
 
     @property
     def model_flops(self) -> int:
-        """Forward + backward (MFU's numerator)."""
-        return self.flops.get("fwd", 0) + self.flops.get("bwd", 0)
+        """Forward + backward, and generation's prefill + decode (MFU's numerator)."""
+        return sum(flops for phase, flops in self.flops.items() if phase != "recompute")
 
     @property
     def hardware_flops(self) -> int:
-        """Forward + backward + recompute (HFU's numerator)."""
+        """Model FLOPs + recompute (HFU's numerator)."""
         return self.model_flops + self.flops.get("recompute", 0)
+
+    @property
+    def generated_tokens_per_s(self) -> float | None:
+        return None if not self.generated_tokens or self.elapsed_s <= 0 else self.generated_tokens / self.elapsed_s
+
+    @property
+    def flops_per_generated_token(self) -> float | None:
+        """(prefill + decode) FLOPs / generated tokens."""
+        if not self.generated_tokens:
+            return None
+        return (self.flops.get("prefill", 0) + self.flops.get("decode", 0)) / self.generated_tokens
 
     def _per_gpu_per_s(self, flops: int) -> float:
         return flops / self.elapsed_s / self.world_size if self.elapsed_s > 0 else 0.0
@@ -362,6 +394,9 @@ class Report:
             out[f"{prefix}tokens_per_s"] = self.tokens_per_s
         if self.images_per_s is not None:
             out[f"{prefix}images_per_s"] = self.images_per_s
+        if self.generated_tokens:
+            out[f"{prefix}generated_tokens_per_s"] = self.generated_tokens_per_s
+            out[f"{prefix}flops_per_generated_token"] = self.flops_per_generated_token
         total = self.modules.get("", 0) or 1
         for path, flops in self.modules.items():
             if path:
@@ -377,6 +412,12 @@ class Report:
             f"  per step: fwd {self.flops.get('fwd', 0) / self.steps:,.0f}  bwd {self.flops.get('bwd', 0) / self.steps:,.0f}  "
             f"recompute {self.flops.get('recompute', 0) / self.steps:,.0f} FLOPs ({self.convention.name})",
         ]
+        if self.generated_tokens:
+            lines.append(
+                f"  generation: prefill {self.flops.get('prefill', 0):,}  decode {self.flops.get('decode', 0):,} FLOPs, "
+                f"{self.generated_tokens:,} tokens generated ({self.generated_tokens_per_s:,.1f}/s), "
+                f"{self.flops_per_generated_token:,.0f} FLOPs per generated token"
+            )
         if self.tokens_per_s is not None:
             lines.append(f"  {self.tokens_per_s:,.0f} tokens/s" + (f", {self.images_per_s:,.1f} images/s" if self.images_per_s is not None else ""))
         total = self.modules.get("", 0) or 1

@@ -70,9 +70,9 @@ class MatmulMeasure(TorchDispatchMode):
 class MeasuredForward:
     """An expert module's forward run under :class:`MatmulMeasure`, its FLOPs added to the probes'
     ``measured`` (a picklable object, so that a model carrying probes can still be saved). Not part
-    of the model's structure for call situations (``fxflops/situation.py``): ``fxflops_probe``."""
+    of the model's structure for call situations (``fxflops/situation.py``): ``fxflops_own``."""
 
-    fxflops_probe = True
+    fxflops_own = True
 
     def __init__(self, probes: RoutingProbes, path: str, forward: Callable[..., Any]) -> None:
         self.probes, self.path, self.forward = probes, path, forward

@@ -7,8 +7,8 @@ sizes meet its guards. The situation has three parts, checked on every counted c
   (positionally or by keyword), which are ``None``; each tensor's type, dtype, device,
   ``requires_grad`` and rank; the value of every Python scalar, string, enum, dtype or device;
   containers by structure; other objects (a cache, a config passed in) by type and contents, their
-  tensors by shape too (their sizes are constants of the trace, not symbols). Functions and modules
-  passed as arguments by identity.
+  tensors as inputs too (without sizes: those are symbols the binder reads, so one decode program
+  serves every length of a key-value cache). Functions and modules passed as arguments by identity.
 - :func:`mode_key`: grad mode, inference mode, autocast (per device type: enabled, dtype, cache), the
   scaled-dot-product-attention backends enabled, the MHA fast path, the default dtype.
 - :class:`ModelState`: the model's state the trace depended on (``capture/reads.py`` recorded what it
@@ -30,7 +30,6 @@ from __future__ import annotations
 import enum
 import inspect
 import itertools
-import types
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,19 +37,32 @@ from typing import Any
 
 import torch
 
+from fxflops.capture.inputs import MAX_HELD_DEPTH, held_state
 from fxflops.capture.reads import Reads
+from fxflops.errors import InputError
 
 _SCALARS = (
     bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device, torch.layout,
     torch.memory_format, torch.Size, slice, range, type, enum.Enum,
 )
-_IDENTITY = (types.FunctionType, types.MethodType, types.BuiltinFunctionType, torch.nn.Module)
-_BUDGET = 512  # values looked at inside one opaque object before it is keyed by identity
+_BUDGET = 4096  # values looked at inside one argument object (a larger one is refused)
 
 
-def value_key(value: Any, shapes: bool = False, _budget: list[int] | None = None) -> Any:
-    """A hashable description of one argument (see the module docstring); ``shapes``: tensors by
-    shape too (tensors inside opaque objects, whose sizes are constants of the trace)."""
+def value_key(value: Any, shapes: bool = False) -> Any:
+    """A hashable description of one value (see the module docstring); ``shapes``: tensors by shape
+    too (tensors the trace used as constants, and those inside objects)."""
+    return _key(value, shapes, None)
+
+
+def argument_key(value: Any) -> Any:
+    """:func:`value_key` of a call's argument: the tensors an argument object holds are inputs of the
+    trace down to ``MAX_HELD_DEPTH`` objects deep (``capture/inputs.py``: their sizes are symbols
+    the binder reads), so they are keyed without their sizes; deeper ones by shape."""
+    return _key(value, False, [_BUDGET, 0])
+
+
+def _key(value: Any, shapes: bool, held: list[int] | None) -> Any:
+    """``held``: None outside argument objects' inputs, else [values left, object depth]."""
     kind = type(value)
     if kind is torch.Tensor or isinstance(value, torch.Tensor):
         key = (kind, value.dtype, value.device, value.requires_grad, value.dim())
@@ -58,22 +70,23 @@ def value_key(value: Any, shapes: bool = False, _budget: list[int] | None = None
     if isinstance(value, _SCALARS):
         return (kind, value)
     if isinstance(value, (list, tuple)):
-        return (kind, tuple([value_key(v, shapes, _budget) for v in value]))
+        return (kind, tuple([_key(v, shapes, held) for v in value]))
     if isinstance(value, dict):
-        return (kind, tuple([(k, value_key(v, shapes, _budget)) for k, v in value.items()]))
-    if isinstance(value, _IDENTITY):
+        return (kind, tuple([(k, _key(v, shapes, held)) for k, v in value.items()]))
+    state = held_state(value)
+    if state is None:  # functions, modules, objects without attributes
         return (kind, id(value))
-    return (kind, "object", _object_key(value, _budget if _budget is not None else [_BUDGET]))
-
-
-def _object_key(obj: Any, budget: list[int]) -> Any:
-    """An opaque object by its attributes (tensors with their shapes), or by identity when it is too
-    big or has none."""
-    state = getattr(obj, "__dict__", None)
-    if state is None or budget[0] <= 0:
-        return id(obj)
-    budget[0] -= len(state)
-    return tuple(sorted((name, value_key(v, True, budget)) for name, v in state.items()))
+    if held is None or shapes:
+        return (kind, "object", tuple(sorted((name, _key(v, True, None)) for name, v in state.items())))
+    held[0] -= len(state)
+    if held[0] < 0:
+        raise InputError(f"an argument object holds more than {_BUDGET} values: fxflops cannot tell its calls apart cheaply")
+    held[1] += 1
+    try:
+        deep = held[1] > MAX_HELD_DEPTH  # an object the capture does not follow: its tensors are constants
+        return (kind, "object", tuple(sorted((name, _key(v, deep, held)) for name, v in state.items())))
+    finally:
+        held[1] -= 1
 
 
 class CallKeys:
@@ -96,7 +109,7 @@ class CallKeys:
 
     def _compile(self, args: tuple, kwargs: dict) -> Callable[[tuple, dict], tuple]:
         """The key of calls laid out like this one: straight-line code, defaults as constants."""
-        scope: dict[str, Any] = {"_vk": value_key}
+        scope: dict[str, Any] = {"_vk": argument_key}
         parts = []
         for i, (name, where, default) in enumerate(self._plan(args, kwargs)):
             if where is None:
@@ -359,7 +372,7 @@ class ModelState:
             )
             hooks = (len(m._forward_pre_hooks), len(m._forward_hooks), len(m._backward_pre_hooks), len(m._backward_hooks))
             forward = vars(m).get("forward")  # an instance-level override (not fxflops' own routing probe)
-            overridden = forward is not None and not getattr(forward, "fxflops_probe", False)
+            overridden = forward is not None and not getattr(forward, "fxflops_own", False)
             rows.append((path, id(m), type(m), tensors, hooks, id(forward) if overridden else None))
         return tuple(rows)
 
@@ -414,8 +427,8 @@ def _guards_from(model: torch.nn.Module, reads: Reads, copies: dict[str, str], c
     for path, names in sources:
         state = vars(modules[path])
         for name in sorted(names):
-            if name in _MODULE_INTERNALS or name not in state:
-                continue  # structure and hooks (the structure check), or not an instance attribute
+            if name in _MODULE_INTERNALS or name not in state or getattr(state[name], "fxflops_own", False):
+                continue  # structure and hooks (the structure check), not an instance attribute, or fxflops' own
             value = state[name]
             label = f"{path or '<root>'}.{name}"
             guards.setdefault((id(state), name), _guard(label, path, None, name, value, constants))

@@ -58,7 +58,7 @@ def _step(model, ids):
 
 STAGES = {  # stage -> (what to patch, attribute) ; "first" faults need no program yet, the others one
     "prepare": ("adapter", "prepare"),
-    "call key": (fxflops.situation, "value_key"),
+    "call key": (fxflops.situation, "argument_key"),
     "modes": (INSTRUMENT, "mode_key"),
     "capture": (INSTRUMENT, "capture"),
     "analysis": (fxflops.program.Program, "from_capture"),

@@ -1,14 +1,18 @@
 """Which input dimensions are free symbols, and what each symbol is called.
 
 The forward call is bound to the parameter names of ``model.forward``; every tensor argument (also one
-nested in a list, tuple or dict) gets an *access path* from that name, e.g. ``("input_ids",)`` or
-``("images", 0)``. A :class:`DimSpec` says "dimension ``dim`` of the tensor at ``path`` is the symbol
+nested in a list, tuple or dict, or held by an object passed in, such as a key-value cache) gets an
+*access path* from that name, e.g. ``("input_ids",)``, ``("images", 0)`` or
+``("past_key_values", Attr("layers"), 0, Attr("keys"))``. Tensors an argument object holds are
+inputs like any other: a cache's length is a symbol, not a constant of the trace. A :class:`DimSpec` says "dimension ``dim`` of the tensor at ``path`` is the symbol
 ``name``". Two specs with the same name are the same symbol.
 """
 
 from __future__ import annotations
 
+import enum
 import inspect
+import types
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +22,26 @@ from fxflops.errors import InputError
 
 Path = tuple[Any, ...]
 RESERVED_NAMES = frozenset({"phase", "depth"})
+_NOT_HELD_STATE = (torch.nn.Module, types.FunctionType, types.MethodType, types.BuiltinFunctionType, type, enum.Enum)
+MAX_HELD_DEPTH = 6  # object nesting followed below an argument
+
+
+@dataclass(frozen=True)
+class Attr:
+    """A path step to an attribute of an object (a cache's ``layers``, a cache layer's ``keys``)."""
+
+    name: str
+
+    def __str__(self) -> str:
+        return self.name
+
+
+def held_state(value: Any) -> dict[str, Any] | None:
+    """The attributes of an argument object whose tensors are inputs (a key-value cache, a config
+    passed in); None for what is not such an object (tensors, containers, scalars, modules, functions)."""
+    if isinstance(value, (torch.Tensor, list, tuple, dict, _NOT_HELD_STATE)) or callable(value):
+        return None
+    return getattr(value, "__dict__", None)
 
 
 @dataclass(frozen=True)
@@ -45,18 +69,24 @@ def bind_call(forward: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
 
 
 def tensor_leaves(named: dict[str, Any]) -> dict[Path, torch.Tensor]:
-    """Every tensor in the bound call with its access path, in argument order."""
+    """Every tensor in the bound call with its access path, in argument order (an object reachable
+    twice is followed once)."""
     found: dict[Path, torch.Tensor] = {}
+    seen: set[int] = set()
 
-    def visit(path: Path, value: Any) -> None:
+    def visit(path: Path, value: Any, depth: int = 0) -> None:
         if isinstance(value, torch.Tensor):
             found[path] = value
         elif isinstance(value, (list, tuple)):
             for i, item in enumerate(value):
-                visit(path + (i,), item)
+                visit(path + (i,), item, depth)
         elif isinstance(value, dict):
             for key, item in value.items():
-                visit(path + (key,), item)
+                visit(path + (key,), item, depth)
+        elif (state := held_state(value)) is not None and depth < MAX_HELD_DEPTH and id(value) not in seen:
+            seen.add(id(value))
+            for key, item in state.items():
+                visit(path + (Attr(key),), item, depth + 1)
 
     for name, value in named.items():
         visit((name,), value)
@@ -66,6 +96,34 @@ def tensor_leaves(named: dict[str, Any]) -> dict[Path, torch.Tensor]:
 def path_label(path: Path) -> str:
     """``("images", 0)`` -> ``images_0``: the prefix of automatic symbol names."""
     return "_".join(str(p) for p in path)
+
+
+def held_root(path: Path) -> int | None:
+    """The index in ``path`` of the argument object its tensor is held by (the step before its first
+    attribute step), or None for a tensor reached through containers only."""
+    return next((i - 1 for i, step in enumerate(path) if isinstance(step, Attr)), None)
+
+
+def put(holder: Any, steps: Path, value: Any) -> Any:
+    """``holder`` with the item at ``steps`` below it set to ``value``: objects, lists and dicts in
+    place, tuples rebuilt (returned)."""
+    step, rest = steps[0], steps[1:]
+    child = vars(holder)[step.name] if isinstance(step, Attr) else holder[step]
+    new = put(child, rest, value) if rest else value
+    if isinstance(holder, tuple):
+        return holder[:step] + (new,) + holder[step + 1 :]
+    if isinstance(step, Attr):
+        vars(holder)[step.name] = new
+    else:
+        holder[step] = new
+    return holder
+
+
+def reach(value: Any, steps: Path) -> Any:
+    """The item at ``steps`` below ``value``."""
+    for step in steps:
+        value = vars(value)[step.name] if isinstance(step, Attr) else value[step]
+    return value
 
 
 def resolve_dims(

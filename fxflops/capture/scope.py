@@ -17,7 +17,8 @@ capturing at once must not install and remove each other's patches.
   it and refuses to run ("FX to symbolically trace a dynamo-optimized function"). While a capture
   runs, the flag's readers answer for the calling thread (:func:`_fx_tracing_for_this_thread`), and
   compiled code reached by the capture itself runs as written (Dynamo inlines it instead of raising):
-  a capture traces what a compiled module computes.
+  a capture traces what a compiled module computes. The methods FX's tracer patches on
+  ``nn.Module`` to record module calls are patched for the capturing thread only.
 """
 
 from __future__ import annotations
@@ -85,12 +86,34 @@ def _fx_tracing_for_this_thread() -> Iterator[None]:
     for reader, code in readers.items():
         reader.__code__ = code
     try:
-        with dynamo_config.patch(error_on_nested_fx_trace=False):
+        with dynamo_config.patch(error_on_nested_fx_trace=False), _fx_method_patches_for_this_thread():
             yield
     finally:
         for reader, code in originals.items():
             reader.__code__ = code
         del _fx_trace.__fxflops_fx_tracing_here__
+
+
+@contextlib.contextmanager
+def _fx_method_patches_for_this_thread() -> Iterator[None]:
+    """For the block: the methods FX's tracer patches while it traces (``nn.Module.__call__`` and
+    ``__getattr__``, to record module calls) are patched for the capturing thread only; a module
+    called in another thread runs as always (and is not recorded into the capture's graph)."""
+    patch_method = _fx_trace._Patcher.patch_method
+
+    def for_this_thread(patcher: Any, cls: type, name: str, new_fn: Callable[..., Any], deduplicate: bool = True) -> None:
+        orig_fn = getattr(cls, name)
+
+        def dispatch(*args: Any, **kwargs: Any) -> Any:
+            return new_fn(*args, **kwargs) if capturing() else orig_fn(*args, **kwargs)
+
+        patch_method(patcher, cls, name, dispatch, deduplicate)
+
+    _fx_trace._Patcher.patch_method = for_this_thread
+    try:
+        yield
+    finally:
+        _fx_trace._Patcher.patch_method = patch_method
 
 
 _MARK = "__fxflops_patch__"

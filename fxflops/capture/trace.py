@@ -30,7 +30,7 @@ from fxflops.capture.adapters import Adapter
 from fxflops.capture.lifting import Lifted, install_stand_ins, lifted_paths
 from fxflops.capture.reuse import LayerCalledTwice, reusing_repeated_layers
 from fxflops.capture.phases import run_backward, tagging_recompute
-from fxflops.capture.inputs import DimSpec, Path, bind_call, resolve_dims, tensor_leaves
+from fxflops.capture.inputs import DimSpec, Path, bind_call, held_root, put, reach, resolve_dims, tensor_leaves
 from fxflops.capture.engines import compute_shapes, engines_left_alone
 from fxflops.capture.isolation import isolated_call, preserving_state
 from fxflops.capture.reads import Reads, recording_reads
@@ -205,6 +205,23 @@ def _layout_oblivious() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def _attention_flags_as_bools() -> Iterator[None]:
+    """``scaled_dot_product_attention``'s ``is_causal`` made a Python bool, while tracing.
+
+    Model code may compute the flag from sizes: transformers' SDPA integration takes
+    ``q_length > 1 and attention_mask is None and is_causal``, which *is* the symbolic ``q_length > 1``
+    when it is false (a decode step's one query), and SDPA accepts only a bool. Evaluating it adds the
+    guard it stands for (``seq <= 1``), so the program holds exactly where the flag is the same.
+    """
+
+    def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, **kwargs):
+        return sdpa(query, key, value, attn_mask, dropout_p, bool(is_causal), **kwargs)
+
+    with patched(F, "scaled_dot_product_attention", attention) as sdpa:
+        yield
+
+
+@contextlib.contextmanager
 def _grouped_mm_any_float() -> Iterator[None]:
     """``aten._grouped_mm``'s shape function accepting every floating dtype, while tracing.
 
@@ -226,10 +243,17 @@ def _grouped_mm_any_float() -> Iterator[None]:
 
 
 def trace_graph(
-    model: torch.nn.Module, mode: FakeTensorMode, args: tuple, kwargs: dict, backward: bool = False
+    model: torch.nn.Module,
+    mode: FakeTensorMode,
+    args: tuple,
+    kwargs: dict,
+    backward: bool = False,
+    held: list[tuple[Any, Path, torch.Tensor]] = (),
 ) -> torch.fx.GraphModule:
     """``make_fx`` of ``model(*args, **kwargs)`` whose tensors are fakes of ``mode``; with
     ``backward``, also of the backward from its loss or outputs (``_backward_roots``; ``capture/phases.py``).
+    ``held`` are tensors held by argument objects, as (the object, the steps to the tensor below it,
+    its fake): graph inputs after the call's own tensors, put into the objects when the trace runs.
 
     Parameters and buffers enter as static-shaped fake placeholders, swapped in with
     ``functional_call``: the model's real state is never read for compute nor mutated (e.g.
@@ -254,7 +278,9 @@ def trace_graph(
         for i, tensor in zip(slots, flat):
             call_leaves[i] = tensor
         call_args, call_kwargs = pytree.tree_unflatten(call_leaves, tree)
-        swapped = dict(zip(state, flat[len(slots) :]))
+        for (holder, steps, _), tensor in zip(held, flat[len(slots) : len(slots) + len(held)]):
+            put(holder, steps, tensor)
+        swapped = dict(zip(state, flat[len(slots) + len(held) :]))
         out = torch.func.functional_call(model, swapped, call_args, call_kwargs, tie_weights=False, strict=False)
         out_leaves, spec = pytree.tree_flatten(out)
         structure.extend([spec, [TENSOR if isinstance(x, torch.Tensor) else x for x in out_leaves]])
@@ -266,10 +292,10 @@ def trace_graph(
     run._orig_mod = model  # make_fx records nn_module_stack relative to this root
     try:
         phases = tagging_recompute() if backward else contextlib.nullcontext()
-        with fx_config.patch(backed_size_oblivious=True), _no_stack_traces(), _layout_oblivious(), _grouped_mm_any_float(), phases, mode:
+        with fx_config.patch(backed_size_oblivious=True), _no_stack_traces(), _layout_oblivious(), _attention_flags_as_bools(), _grouped_mm_any_float(), phases, mode:
             gm = make_fx(
                 run, tracing_mode="symbolic", _allow_non_fake_inputs=True, record_module_stack=True
-            )(*(leaves[i] for i in slots), *fake_state)
+            )(*(leaves[i] for i in slots), *(fake for _, _, fake in held), *fake_state)
         gm.meta["output_structure"] = tuple(structure)  # (pytree spec, leaves with TENSOR for tensors)
         return gm
     except (CaptureError, LayerCalledTwice):
@@ -286,6 +312,21 @@ def trace_graph(
             f"could not trace {type(model).__name__} symbolically at {_model_line(exc)}: "
             f"{type(exc).__name__}: {str(exc).splitlines()[0]}{hint}"
         ) from exc
+
+
+def held_paths(tensors: dict[Path, Any]) -> list[Path]:
+    """The paths of the tensors held by argument objects, in input order."""
+    return [path for path in tensors if held_root(path) is not None]
+
+
+def _held_inputs(named: dict[str, Any], fakes: dict[Path, torch.Tensor]) -> list[tuple[Any, Path, torch.Tensor]]:
+    """(the object in the trace's own copy of the call, the steps below it, the fake) for every tensor
+    an argument object holds (see :func:`trace_graph`)."""
+    held = []
+    for path in held_paths(fakes):
+        root = held_root(path)
+        held.append((reach(named[path[0]], path[1 : root + 1]), path[root + 1 :], fakes[path]))
+    return held
 
 
 def _backward_roots(out: Any, outputs: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -359,11 +400,12 @@ def capture(
                 call_args, call_kwargs = pytree.tree_map(
                     lambda v: fake_by_id.get(id(v), v) if isinstance(v, torch.Tensor) else v, (own_args, own_kwargs)
                 )
+                held = _held_inputs(bind_call(model.forward, call_args, call_kwargs), fakes)
                 try:
                     with adapter.capturing(), install_stand_ins(model, per_segment, backward, adapter.same_layer_attributes) as lifted:
                         skip = set(lifted_paths(model, per_segment))
                         with reusing_repeated_layers(model, skip, backward, reusing, adapter.same_layer_attributes) as reuse:
-                            gm = trace_graph(model, mode, call_args, call_kwargs, backward)
+                            gm = trace_graph(model, mode, call_args, call_kwargs, backward, held)
                     break
                 except LayerCalledTwice:
                     continue
@@ -372,7 +414,7 @@ def capture(
     path_of = {id(tensor): path for path, tensor in tensors.items()}
     copies = {**reuse.templates, **{path: l.path for path, l in lifted.items() if l.path != path}}
     captured = Captured(
-        gm, env, {}, env_to_named, specs, [], {}, [path_of[id(leaves[i])] for i in slots], pinned, lifted, reuse.templates,
+        gm, env, {}, env_to_named, specs, [], {}, [*(path_of[id(leaves[i])] for i in slots), *held_paths(fakes)], pinned, lifted, reuse.templates,
         reads=reads, copies=copies, grad=torch.is_grad_enabled(),
     )
     captured.symbols = {name: named_symbol(name) for name in env_syms if name not in pinned}

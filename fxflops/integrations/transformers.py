@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from fxflops.capture.adapters import Adapter
-from fxflops.capture.inputs import bind_call, path_label, tensor_leaves
+from fxflops.capture.inputs import bind_call, held_root, path_label, tensor_leaves
 from fxflops.capture.pieces import packed_pieces
 from fxflops.errors import CaptureError, MetadataError
 
@@ -130,12 +130,14 @@ class TransformersAdapter(Adapter):
         return (args, {**kwargs, **extras}) if extras else (args, kwargs)
 
     def dims(self, args: tuple, kwargs: dict) -> dict[str, dict[int, str]]:
-        """Every tensor dim of the call named: batch/seq on text inputs, patches on packed pixels,
-        images on batched pixels, ``<argument>_<dim>`` elsewhere. Of the derived metadata only dim 0
+        """Every tensor dim of the call named: batch/seq on text inputs, past on a key-value cache's
+        keys and values, patches on packed pixels, images on batched pixels, ``<argument>_<dim>``
+        elsewhere and where a known name's sizes disagree (a decode step's mask is past + 1 long). Of the derived metadata only dim 0
         varies: the modality's patches when it runs along them (rotary positions, interpolation
         taps), else its own symbol (offsets, window indices)."""
         call = bind_call(self.model.forward, args, kwargs)
         named: dict[str, dict[int, str]] = {}
+        sizes: dict[str, int] = {}  # example size of each known name given so far
         for path, tensor in tensor_leaves(call).items():
             label = path_label(path)
             modality = str(path[0]).split("_")[0]
@@ -145,7 +147,10 @@ class TransformersAdapter(Adapter):
                 named[label] = {0: PIXEL_ARGUMENTS["pixel_values" if modality == "image" else "pixel_values_videos"] if along else f"{label}_0"}
                 continue
             names = {d: f"{label}_{d}" for d in range(tensor.dim())}
-            names.update(_known_dims(label, tensor.dim()))
+            known = _cache_dims(tensor.dim()) if _in_cache(call, path) else _known_dims(label, tensor.dim())
+            for d, name in known.items():  # a known name only where its sizes agree
+                if sizes.setdefault(name, tensor.shape[d]) == tensor.shape[d]:
+                    names[d] = name
             if label in PIXEL_ARGUMENTS and tensor.dim() == 2:
                 del names[1]  # values per patch (channels x temporal x patch²): fixed by the config
             named[label] = names
@@ -195,6 +200,18 @@ def _naming(what: str, inputs: list[str]) -> Iterator[None]:
             f"{what} could not be derived from {', '.join(inputs)}: {type(exc).__name__}: {exc} "
             "(do the grids match the image/video tokens and pixel rows of the batch?)"
         ) from exc
+
+
+def _in_cache(call: dict[str, Any], path: tuple) -> bool:
+    """Whether the tensor at ``path`` is held by a transformers key-value cache."""
+    from transformers.cache_utils import Cache
+
+    return held_root(path) is not None and isinstance(call[path[0]], Cache)
+
+
+def _cache_dims(rank: int) -> dict[int, str]:
+    """A cache layer's keys and values are (batch, heads, past, head dim): the tokens before this call."""
+    return {0: "batch", 2: "past"} if rank == 4 else {}
 
 
 def _known_dims(label: str, rank: int) -> dict[int, str]:

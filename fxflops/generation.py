@@ -1,0 +1,78 @@
+"""Generation counted: ``Instrumented.generate`` runs the model's own ``generate`` (transformers'
+``GenerationMixin``) with every forward it makes going through the wrapper's counting path.
+
+``generate`` calls the model itself (``self(**model_inputs)``), never the wrapper. For the duration of
+one ``generate`` call, in the calling thread only, the model's top-level forward is routed through
+the wrapper (:func:`counting_own_calls`): an instance-level ``forward`` that looks the call's program
+up, runs the model's forward and adds the count, marked ``fxflops_own`` so that call situations do
+not take it for a change of the model. Another thread calling the model meanwhile, a capture's trace
+and the model's calls to itself run the model's forward unchanged; the previous ``forward`` (a
+framework's own instance-level override included) is put back when ``generate`` returns or raises.
+
+The first forward of a ``generate`` call is its ``prefill`` (the prompt, and in a VLM the images);
+every later one is a ``decode`` step. A key-value cache's tensors are inputs of the trace whose
+length is a symbol (``capture/inputs.py``), so one prefill program and one decode program serve
+every step of every request. With chunked prefill (``prefill_chunk_size``) the chunks after the
+first are counted as decode steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from fxflops.capture.scope import capturing
+
+
+@contextlib.contextmanager
+def counting_own_calls(model: torch.nn.Module, count: Callable[..., Any]) -> Iterator[None]:
+    """For the block, in this thread: ``model``'s own top-level calls run ``count(phase, forward,
+    args, kwargs)`` instead of ``forward(*args, **kwargs)`` (see the module docstring)."""
+    state = vars(model)
+    previous = state.get("forward")
+    original = model.forward
+    owner = threading.get_ident()
+    calls, depth = [0], [0]
+
+    @functools.wraps(original)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if depth[0] or capturing() or threading.get_ident() != owner:
+            return original(*args, **kwargs)
+        phase = "prefill" if calls[0] == 0 else "decode"
+        calls[0] += 1
+        depth[0] += 1
+        try:
+            return count(phase, original, args, kwargs)
+        finally:
+            depth[0] -= 1
+
+    forward.fxflops_own = True
+    state["forward"] = forward
+    try:
+        yield
+    finally:
+        if previous is None:
+            state.pop("forward", None)
+        else:
+            state["forward"] = previous
+
+
+def generated_tokens(model: torch.nn.Module, args: tuple, kwargs: dict, out: Any) -> int:
+    """Tokens a ``generate`` call produced, over all returned rows: the returned sequences less the
+    prompt (decoder-only models return prompt + new tokens; encoder-decoders the decoder start token
+    + new tokens; with ``inputs_embeds`` only the new ones)."""
+    sequences = out if isinstance(out, torch.Tensor) else getattr(out, "sequences", None)
+    if not isinstance(sequences, torch.Tensor) or sequences.dim() != 2:
+        return 0
+    rows, length = sequences.shape
+    config = getattr(model, "config", None)
+    if getattr(config, "is_encoder_decoder", False):
+        return rows * max(length - 1, 0)
+    prompt = kwargs.get("input_ids", args[0] if args and isinstance(args[0], torch.Tensor) else None)
+    prompt_length = prompt.shape[-1] if isinstance(prompt, torch.Tensor) else 0
+    return rows * max(length - prompt_length, 0)

@@ -1,0 +1,152 @@
+"""generate() counted exactly (issue 18): every forward transformers' ``generate`` makes goes through
+the wrapper's counting path, the prompt's as phase ``prefill`` and each later step's as ``decode``.
+
+References are FlopCounterMode (CPU attention counted) on the same ``generate`` call of the plain
+model: the whole call, and the call with ``max_new_tokens=1`` (its prefill alone). The key-value
+cache's length is a symbol: one prefill and one decode program per call situation serve every step.
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+import fxflops
+from reference import flop_counter_with_cpu_attention
+
+transformers = pytest.importorskip("transformers")
+
+TEXT = dict(
+    vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=256, pad_token_id=0,
+)
+
+
+def _text_model(family: str, attn: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    if family == "llama":
+        config = transformers.LlamaConfig(**TEXT, attn_implementation=attn)
+        return transformers.LlamaForCausalLM(config).eval()
+    config = transformers.Qwen2Config(**TEXT, attn_implementation=attn)
+    return transformers.Qwen2ForCausalLM(config).eval()
+
+
+def _prompt(batch: int, length: int, seed: int) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, TEXT["vocab_size"], (batch, length), generator=generator)
+    mask = torch.ones_like(ids)
+    for row in range(1, batch):  # left padding on every row but the first
+        mask[row, : row + 1] = 0
+        ids[row, : row + 1] = TEXT["pad_token_id"]
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def _reference(model: torch.nn.Module, prompt: dict, **generation) -> int:
+    with flop_counter_with_cpu_attention(), FlopCounterMode(display=False) as counter:
+        model.generate(**prompt, **generation)
+    return counter.get_total_flops()
+
+
+def _phases(meter: fxflops.Meter) -> tuple[int, int]:
+    return meter.total(phase="prefill"), meter.total(phase="decode")
+
+
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_generate_counts_prefill_and_every_decode_step_exactly(family, attn):
+    model = _text_model(family, attn)
+    wrapper = fxflops.instrument(model, strict=True)
+    cases = [(1, 7, 4), (3, 5, 6), (1, 11, 1), (3, 9, 16), (1, 4, 9)]  # batch, prompt length, new tokens
+    for i, (batch, length, new) in enumerate(cases):
+        prompt = _prompt(batch, length, seed=i)
+        generation = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False)
+        before = _phases(wrapper.flops)
+        out = wrapper.generate(**prompt, **generation)
+        prefill, decode = (now - then for now, then in zip(_phases(wrapper.flops), before))
+        assert torch.equal(out, model.generate(**prompt, **generation)), (batch, length, new)  # nothing changed
+        expected_prefill = _reference(model, prompt, max_new_tokens=1, min_new_tokens=1, do_sample=False)
+        assert prefill == expected_prefill, (family, attn, batch, length, new)
+        assert prefill + decode == _reference(model, prompt, **generation), (family, attn, batch, length, new)
+    assert wrapper.flops.generated_tokens == sum(batch * new for batch, _, new in cases)
+    assert wrapper.flops.total(phase="fwd") == 0 and wrapper.flops.uncounted == 0
+    assert wrapper.captures <= 4  # prefill and decode, with and without a mask: not one per step
+
+
+def test_sampling_gives_the_same_sequences_and_the_exact_count():
+    model = _text_model("llama", "sdpa")
+    wrapper = fxflops.instrument(model, strict=True)
+    prompt = _prompt(3, 6, seed=7)
+    generation = dict(max_new_tokens=8, min_new_tokens=8, do_sample=True, top_k=20)
+    torch.manual_seed(3)
+    out = wrapper.generate(**prompt, **generation)
+    torch.manual_seed(3)
+    assert torch.equal(out, model.generate(**prompt, **generation))
+    torch.manual_seed(3)
+    assert sum(_phases(wrapper.flops)) == _reference(model, prompt, **generation)
+
+
+def test_training_and_generation_are_counted_apart():
+    from reference import flop_counter_call
+
+    model = _text_model("qwen2", "sdpa").train()
+    wrapper = fxflops.instrument(model, backward=True, strict=True)
+    batch = _prompt(2, 10, seed=1)
+    wrapper(**batch, labels=batch["input_ids"]).loss.backward()
+    training = flop_counter_call(model, (), dict(batch, labels=batch["input_ids"]), backward=True)
+    assert wrapper.flops.total() == training
+    model.eval()
+    prompt = _prompt(1, 5, seed=2)
+    wrapper.generate(**prompt, max_new_tokens=5, min_new_tokens=5, do_sample=False)
+    generation = sum(_phases(wrapper.flops))
+    assert generation == _reference(model, prompt, max_new_tokens=5, min_new_tokens=5, do_sample=False)
+    assert wrapper.flops.total() - generation == training  # the training phases, untouched by generate
+    recompute = wrapper.flops.total(phase="recompute")  # SDPA's backward recomputes the scores
+    report = wrapper.flops.report(elapsed_s=2.0, peak_flops=1e12)
+    assert report.generated_tokens == 5
+    assert report.flops_per_generated_token == generation / 5
+    assert report.model_flops == training - recompute + generation and report.hardware_flops == training + generation
+    assert "tokens generated" in str(report)
+
+
+def test_generate_leaves_the_model_as_it_was_and_other_threads_uncounted():
+    model = _text_model("llama", "eager")
+    wrapper = fxflops.instrument(model, strict=True)
+    prompt = _prompt(1, 6, seed=4)
+    forward = model.forward
+    seen: list[int] = []
+    started, stop = threading.Event(), threading.Event()
+
+    def other_thread() -> None:
+        while not stop.is_set():
+            with torch.no_grad():
+                model(**_prompt(1, 3, seed=5))
+            started.set()
+
+    wrapper.generate(**prompt, max_new_tokens=6, min_new_tokens=6, do_sample=False)  # the captures, first
+    worker = threading.Thread(target=other_thread)
+    worker.start()
+    started.wait(30)
+    try:
+        for _ in range(2):
+            before = wrapper.flops.calls
+            wrapper.generate(**prompt, max_new_tokens=6, min_new_tokens=6, do_sample=False)
+            seen.append(wrapper.flops.calls - before)
+    finally:
+        stop.set()
+        worker.join()
+    assert seen == [6, 6]  # the prefill and 5 decode steps each time, none of the other thread's calls
+    assert wrapper.captures == 2
+    assert "forward" not in vars(model) and model.forward == forward
+    with pytest.raises(RuntimeError, match="boom"):  # a failing generate leaves the model as it was too
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            wrapper.generate(**prompt, max_new_tokens=2, stopping_criteria=[_raise_boom])
+    assert "forward" not in vars(model)
+
+
+def _raise_boom(input_ids, scores, **kwargs):
+    raise RuntimeError("boom")
