@@ -70,6 +70,21 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+def _train_steps(step_module: nn.Module, parameters, batch_rank: int, meter: fxflops.Meter | None = None) -> list[float]:
+    """``STEPS`` SGD steps of ``step_module`` on the batches of ``batch_rank``; their losses."""
+    optimizer = torch.optim.SGD(parameters, lr=0.5)
+    losses = []
+    for step in range(STEPS):
+        loss = step_module(_batch(batch_rank, step)).float().mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+        if meter is not None:
+            meter.step()
+    return losses
+
+
 def _wrap(engine: str, module: nn.Module) -> nn.Module:
     if engine == "ddp":
         return nn.parallel.DistributedDataParallel(module)
@@ -109,16 +124,7 @@ def _train(rank: int, engine: str, order: str | None) -> tuple:
         step_module = wrapped
     else:
         step_module = wrapper
-    optimizer = torch.optim.SGD(step_module.parameters(), lr=0.5)
-    losses = []
-    for step in range(STEPS):
-        loss = step_module(_batch(rank, step)).float().mean()
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
-        if wrapper is not None:
-            wrapper.flops.step()
+    losses = _train_steps(step_module, step_module.parameters(), rank, wrapper.flops if wrapper is not None else None)
     parameters = [_local(p).detach().float().clone() for p in step_module.parameters()]
     counted = None
     if wrapper is not None:
@@ -179,14 +185,7 @@ def _train_tensor_parallel(world: int, instrumented: bool) -> tuple:
     plan["lm_head"] = ColwiseParallel(output_layouts=Replicate())
     parallelize_module(model, init_device_mesh("cpu", (world,)), plan)
     step_module = fxflops.instrument(model, backward=True, strict=True) if instrumented else model
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
-    losses = []
-    for step in range(STEPS):  # tensor-parallel ranks see the same batch
-        loss = step_module(_batch(0, step)).float().mean()
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
+    losses = _train_steps(step_module, model.parameters(), 0)  # tensor-parallel ranks see the same batch
     counted = None
     if instrumented:
         local = step_module.flops.total()
@@ -233,15 +232,8 @@ def _train_two_dimensional(rank: int, instrumented: bool) -> tuple:
         fully_shard(layer, mesh=mesh["dp"])
     fully_shard(model, mesh=mesh["dp"])
     step_module = fxflops.instrument(model, backward=True, strict=True) if instrumented else model
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     replica = mesh["dp"].get_local_rank()
-    losses = []
-    for step in range(STEPS):
-        loss = step_module(_batch(replica, step)).float().mean()
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
+    losses = _train_steps(step_module, model.parameters(), replica)
     counted = None
     if instrumented:
         local = step_module.flops.total()  # before the report, which starts the next interval
