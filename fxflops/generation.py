@@ -9,6 +9,13 @@ not take it for a change of the model. Another thread calling the model meanwhil
 and the model's calls to itself run the model's forward unchanged; the previous ``forward`` (a
 framework's own instance-level override included) is put back when ``generate`` returns or raises.
 
+transformers >= 5 encodes a VLM's images and videos before the prefill, outside the forward
+(``get_image_features``), and hands the features over as ``mm_encoder_outputs`` when the forward
+takes that argument: the routed forward's signature leaves it out, so the vision tower runs inside
+the prefill (the same arithmetic and the same features) and is counted with it. An encoder-decoder
+model's encoder also runs outside the forward: its ``generate`` is not counted (a warning, and the
+calls are in ``uncounted``) rather than counted without its encoder.
+
 The first forward of a ``generate`` call is its ``prefill`` (the prompt, and in a VLM the images);
 every later one is a ``decode`` step. A key-value cache's tensors are inputs of the trace whose
 length is a symbol (``capture/inputs.py``), so one prefill program and one decode program serve
@@ -20,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -27,6 +35,10 @@ from typing import Any
 import torch
 
 from fxflops.capture.scope import capturing
+
+# forward arguments through which transformers' generate hands over image and video features it
+# computed before the prefill, outside the model's forward (hidden from it while counting)
+PRE_ENCODED = ("mm_encoder_outputs",)
 
 
 @contextlib.contextmanager
@@ -52,6 +64,7 @@ def counting_own_calls(model: torch.nn.Module, count: Callable[..., Any]) -> Ite
             depth[0] -= 1
 
     forward.fxflops_own = True
+    forward.__signature__ = _without(inspect.signature(original), PRE_ENCODED)
     state["forward"] = forward
     try:
         yield
@@ -60,6 +73,10 @@ def counting_own_calls(model: torch.nn.Module, count: Callable[..., Any]) -> Ite
             state.pop("forward", None)
         else:
             state["forward"] = previous
+
+
+def _without(signature: inspect.Signature, names: tuple[str, ...]) -> inspect.Signature:
+    return signature.replace(parameters=[p for name, p in signature.parameters.items() if name not in names])
 
 
 def generated_tokens(model: torch.nn.Module, args: tuple, kwargs: dict, out: Any) -> int:

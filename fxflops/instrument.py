@@ -235,6 +235,12 @@ class Instrumented(torch.nn.Module):
         phase ``prefill``, each later step's as ``decode`` (``fxflops/generation.py``); the tokens it
         produced are added to ``flops.generated_tokens``."""
         generate = self.traced.generate  # an AttributeError naming the model when it has none
+        if getattr(getattr(self.traced, "config", None), "is_encoder_decoder", False):
+            self._not_counted(CaptureError(
+                f"{type(self.traced).__name__}.generate is not counted: an encoder-decoder model runs its encoder "
+                "outside the forward (fxflops/generation.py)"
+            ))
+            return generate(*args, **kwargs)
 
         def count(phase: str, forward: Any, call_args: tuple, call_kwargs: dict) -> Any:
             call_args, call_kwargs, found = self._look_up(call_args, call_kwargs)

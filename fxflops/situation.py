@@ -67,6 +67,8 @@ def _key(value: Any, shapes: bool, held: list[int] | None) -> Any:
     if kind is torch.Tensor or isinstance(value, torch.Tensor):
         key = (kind, value.dtype, value.device, value.requires_grad, value.dim())
         return key + (tuple(value.shape),) if shapes else key
+    if kind is int and held is not None and held[1] and not shapes:  # an object's integer: a symbol (capture/inputs.py)
+        return (int,)
     if isinstance(value, _SCALARS):
         return (kind, value)
     if isinstance(value, (list, tuple)):

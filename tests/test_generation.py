@@ -150,3 +150,43 @@ def test_generate_leaves_the_model_as_it_was_and_other_threads_uncounted():
 
 def _raise_boom(input_ids, scores, **kwargs):
     raise RuntimeError("boom")
+
+
+@pytest.mark.parametrize(
+    "family",
+    ["qwen2_vl", "llava_clip", "gemma3", pytest.param("qwen2_5_vl", marks=pytest.mark.long), pytest.param("qwen3_vl", marks=pytest.mark.long)],
+)
+def test_generate_with_images_counts_the_vision_tower_in_the_prefill(family):
+    """transformers encodes images before the prefill, outside the forward; fxflops' generate keeps
+    them in the prefill's forward, so the vision tower is counted (Gemma 3: sliding-window cache
+    layers, whose window the 12 new tokens pass)."""
+    import random
+
+    from fxflops.models import hf_zoo
+
+    model = hf_zoo.build(family, "eager").eval()
+    wrapper = fxflops.instrument(model, strict=True)
+    rng = random.Random(0)
+    for images in (1, 2):
+        batch = hf_zoo.random_batch(family, rng, images=images, batch=1)
+        batch.pop("labels", None)
+        generation = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False)
+        before = sum(_phases(wrapper.flops))
+        out = wrapper.generate(**batch, **generation)
+        assert torch.equal(out, model.generate(**batch, **generation)), (family, images)
+        assert sum(_phases(wrapper.flops)) - before == _reference(model, batch, **generation), (family, images)
+    assert wrapper.captures == 2  # one prefill and one decode program for every step and image count
+
+
+def test_an_encoder_decoder_generate_is_refused_not_counted_without_its_encoder():
+    torch.manual_seed(0)
+    config = transformers.T5Config(vocab_size=64, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=2, decoder_start_token_id=0)
+    model = transformers.T5ForConditionalGeneration(config).eval()
+    wrapper = fxflops.instrument(model)
+    ids = torch.randint(1, 64, (1, 5))
+    with pytest.warns(UserWarning, match="encoder-decoder"):
+        out = wrapper.generate(input_ids=ids, max_new_tokens=3)
+    assert torch.equal(out, model.generate(input_ids=ids, max_new_tokens=3))
+    assert wrapper.flops.uncounted == 1 and wrapper.flops.calls == 0
+    with pytest.raises(fxflops.errors.CaptureError, match="encoder-decoder"):
+        fxflops.instrument(model, strict=True).generate(input_ids=ids, max_new_tokens=3)

@@ -71,11 +71,21 @@ def bind_call(forward: Any, args: tuple, kwargs: dict) -> dict[str, Any]:
 def tensor_leaves(named: dict[str, Any]) -> dict[Path, torch.Tensor]:
     """Every tensor in the bound call with its access path, in argument order (an object reachable
     twice is followed once)."""
-    found: dict[Path, torch.Tensor] = {}
+    return _leaves(named, ints=False)
+
+
+def held_ints(named: dict[str, Any]) -> dict[Path, int]:
+    """Every integer an argument object holds (a sliding-window cache layer's ``cumulative_length``):
+    inputs of the trace like the tensors, as symbols whose values the binder reads."""
+    return {path: value for path, value in _leaves(named, ints=True).items() if not isinstance(value, torch.Tensor)}
+
+
+def _leaves(named: dict[str, Any], ints: bool) -> dict[Path, Any]:
+    found: dict[Path, Any] = {}
     seen: set[int] = set()
 
     def visit(path: Path, value: Any, depth: int = 0) -> None:
-        if isinstance(value, torch.Tensor):
+        if isinstance(value, torch.Tensor) or ints and depth and type(value) is int:
             found[path] = value
         elif isinstance(value, (list, tuple)):
             for i, item in enumerate(value):

@@ -30,7 +30,7 @@ from fxflops.capture.adapters import Adapter
 from fxflops.capture.lifting import Lifted, install_stand_ins, lifted_paths
 from fxflops.capture.reuse import LayerCalledTwice, reusing_repeated_layers
 from fxflops.capture.phases import run_backward, tagging_recompute
-from fxflops.capture.inputs import DimSpec, Path, bind_call, held_root, put, reach, resolve_dims, tensor_leaves
+from fxflops.capture.inputs import DimSpec, Path, bind_call, held_ints, held_root, path_label, put, reach, resolve_dims, tensor_leaves
 from fxflops.capture.engines import compute_shapes, engines_left_alone
 from fxflops.capture.isolation import isolated_call, preserving_state
 from fxflops.capture.reads import Reads, recording_reads
@@ -133,6 +133,18 @@ def _symbolic_inputs(
             fakes[path] = fake
     env_syms = {name: symint.node.expr for name, (symint, _) in by_name.items()}
     return fakes, env_syms
+
+
+def _symbolic_ints(env: BlamingShapeEnv, integers: dict[Path, int], env_syms: dict[str, sympy.Symbol]) -> dict[Path, Any]:
+    """A SymInt for every integer an argument object holds, named after its path (added to ``env_syms``)."""
+    symints = {}
+    for path, example in integers.items():
+        name = path_label(path)
+        source = ConstantSource(name)
+        sym = env.create_symbol(example, source, DimDynamic.DYNAMIC, positive=None, do_not_specialize_zero_one=True)
+        symints[path] = env.create_symintnode(sym, hint=example, source=source)
+        env_syms[name] = sym
+    return symints
 
 
 def _check_free(env: BlamingShapeEnv, env_syms: dict[str, sympy.Symbol], strict: bool) -> dict:
@@ -248,12 +260,13 @@ def trace_graph(
     args: tuple,
     kwargs: dict,
     backward: bool = False,
-    held: list[tuple[Any, Path, torch.Tensor]] = (),
+    held: list[tuple[Any, Path, Any]] = (),
 ) -> torch.fx.GraphModule:
     """``make_fx`` of ``model(*args, **kwargs)`` whose tensors are fakes of ``mode``; with
     ``backward``, also of the backward from its loss or outputs (``_backward_roots``; ``capture/phases.py``).
-    ``held`` are tensors held by argument objects, as (the object, the steps to the tensor below it,
-    its fake): graph inputs after the call's own tensors, put into the objects when the trace runs.
+    ``held`` are the tensors and integers held by argument objects, as (the object, the steps to the
+    value below it, its fake or SymInt): graph inputs after the call's own tensors, put into the
+    objects when the trace runs.
 
     Parameters and buffers enter as static-shaped fake placeholders, swapped in with
     ``functional_call``: the model's real state is never read for compute nor mutated (e.g.
@@ -386,6 +399,7 @@ def capture(
     named = bind_call(model.forward, args, kwargs)
     tensors = tensor_leaves(named)
     specs = resolve_dims(dims, tensors)
+    integers = held_ints(named)
 
     leaves = pytree.tree_leaves((args, kwargs))
     slots = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
@@ -396,11 +410,12 @@ def capture(
                 env = BlamingShapeEnv()
                 mode = FakeTensorMode(shape_env=env, allow_non_fake_inputs=True)
                 fakes, env_syms = _symbolic_inputs(env, mode, tensors, specs)
+                symints = _symbolic_ints(env, integers, env_syms)
                 fake_by_id = {id(tensors[path]): fake for path, fake in fakes.items()}
                 call_args, call_kwargs = pytree.tree_map(
                     lambda v: fake_by_id.get(id(v), v) if isinstance(v, torch.Tensor) else v, (own_args, own_kwargs)
                 )
-                held = _held_inputs(bind_call(model.forward, call_args, call_kwargs), fakes)
+                held = _held_inputs(bind_call(model.forward, call_args, call_kwargs), {**fakes, **symints})
                 try:
                     with adapter.capturing(), install_stand_ins(model, per_segment, backward, adapter.same_layer_attributes) as lifted:
                         skip = set(lifted_paths(model, per_segment))
@@ -414,13 +429,13 @@ def capture(
     path_of = {id(tensor): path for path, tensor in tensors.items()}
     copies = {**reuse.templates, **{path: l.path for path, l in lifted.items() if l.path != path}}
     captured = Captured(
-        gm, env, {}, env_to_named, specs, [], {}, [*(path_of[id(leaves[i])] for i in slots), *held_paths(fakes)], pinned, lifted, reuse.templates,
+        gm, env, {}, env_to_named, specs, [], {}, [*(path_of[id(leaves[i])] for i in slots), *held_paths({**fakes, **symints})], pinned, lifted, reuse.templates,
         reads=reads, copies=copies, grad=torch.is_grad_enabled(),
     )
     captured.symbols = {name: named_symbol(name) for name in env_syms if name not in pinned}
     captured.input_dims = {
         path: tuple(captured.named(size) for size in fake.shape) for path, fake in fakes.items()
-    }
+    } | {path: captured.named(symint.node.expr) for path, symint in symints.items()}
     for guard in env.guards:
         expr = captured.named(guard.expr)
         if expr is not sympy.true:

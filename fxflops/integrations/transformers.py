@@ -146,8 +146,9 @@ class TransformersAdapter(Adapter):
                 along = pixels is not None and pixels.dim() == 2 and tensor.dim() and tensor.shape[0] == pixels.shape[0]
                 named[label] = {0: PIXEL_ARGUMENTS["pixel_values" if modality == "image" else "pixel_values_videos"] if along else f"{label}_0"}
                 continue
-            names = {d: f"{label}_{d}" for d in range(tensor.dim())}
-            known = _cache_dims(tensor.dim()) if _in_cache(call, path) else _known_dims(label, tensor.dim())
+            cached = _in_cache(call, path)  # heads and head size of a cache layer are the config's: static
+            names = {d: f"{label}_{d}" for d in range(tensor.dim()) if not cached or tensor.dim() != 4 or d in (0, 2)}
+            known = _cache_dims(tensor.dim()) if cached else _known_dims(label, tensor.dim())
             for d, name in known.items():  # a known name only where its sizes agree
                 if sizes.setdefault(name, tensor.shape[d]) == tensor.shape[d]:
                     names[d] = name
