@@ -45,6 +45,8 @@ _SCALARS = (
     bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device, torch.layout,
     torch.memory_format, torch.Size, slice, range, type, enum.Enum,
 )
+_EXACT_SCALARS = frozenset({bool, int, float, str, type(None), torch.dtype, torch.device})  # the common ones, by type
+_HELD_INT = (int,)
 _BUDGET = 4096  # values looked at inside one argument object (a larger one is refused)
 
 
@@ -67,28 +69,27 @@ def _key(value: Any, shapes: bool, held: list[int] | None) -> Any:
     if kind is torch.Tensor or isinstance(value, torch.Tensor):
         key = (kind, value.dtype, value.device, value.requires_grad, value.dim())
         return key + (tuple(value.shape),) if shapes else key
-    if kind is int and held is not None and held[1] and not shapes:  # an object's integer: a symbol (capture/inputs.py)
-        return (int,)
-    if isinstance(value, _SCALARS):
+    if kind in _EXACT_SCALARS or isinstance(value, _SCALARS):
+        if kind is int and held is not None and held[1] and not shapes:  # an object's integer: a symbol (capture/inputs.py)
+            return _HELD_INT
         return (kind, value)
-    if isinstance(value, (list, tuple)):
+    if kind is list or kind is tuple or isinstance(value, (list, tuple)):
         return (kind, tuple([_key(v, shapes, held) for v in value]))
     if isinstance(value, dict):
         return (kind, tuple([(k, _key(v, shapes, held)) for k, v in value.items()]))
     state = held_state(value)
     if state is None:  # functions, modules, objects without attributes
         return (kind, id(value))
-    if held is None or shapes:
-        return (kind, "object", tuple(sorted((name, _key(v, True, None)) for name, v in state.items())))
+    if held is None or shapes:  # attributes in their order: another order is another key, never a wrong one
+        return (kind, "object", tuple([(name, _key(v, True, None)) for name, v in state.items()]))
     held[0] -= len(state)
     if held[0] < 0:
         raise InputError(f"an argument object holds more than {_BUDGET} values: fxflops cannot tell its calls apart cheaply")
     held[1] += 1
-    try:
-        deep = held[1] > MAX_HELD_DEPTH  # an object the capture does not follow: its tensors are constants
-        return (kind, "object", tuple(sorted((name, _key(v, deep, held)) for name, v in state.items())))
-    finally:
-        held[1] -= 1
+    deep = held[1] > MAX_HELD_DEPTH  # an object the capture does not follow: its tensors are constants
+    key = (kind, "object", tuple([(name, _key(v, deep, held)) for name, v in state.items()]))
+    held[1] -= 1
+    return key
 
 
 class CallKeys:

@@ -377,3 +377,26 @@ def test_identical_layers_are_traced_once_and_distinct_ones_each():
     program = fxflops.trace(model, (torch.randn(3, 8),), dims={"x": {0: "rows"}})
     assert program.reused == {}
     assert program.total(rows=5) == reference_counts(model, torch.randn(5, 8))[""] == 2 * 5 * 8 * 8 * 6
+
+
+def test_a_model_on_the_meta_device_traces_to_the_program_of_its_real_weights():
+    """Planning without weights: a model built under ``torch.device("meta")`` is traced with its
+    parameters faked on the call's device, and every module's formula is that of the same model with
+    real weights (plain torch, and a transformers VLM through its adapter, forward and backward)."""
+    import random
+
+    from fxflops.models import hf_zoo
+
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab=100, hidden=32, heads=4, kv_heads=2, ffn=48, layers=2)
+    with torch.device("meta"):
+        weightless = [TinyGPT(cfg), hf_zoo.build("qwen2_vl", "sdpa")]
+    real = [TinyGPT(cfg), hf_zoo.build("qwen2_vl", "sdpa")]
+    calls = [((torch.randint(0, 100, (2, 9)),), {}), ((), hf_zoo.random_batch("qwen2_vl", random.Random(0), images=2))]
+    for meta_model, model, (args, kwargs) in zip(weightless, real, calls):
+        assert next(meta_model.parameters()).device.type == "meta"
+        planned = fxflops.trace(meta_model, args, kwargs, backward=True)
+        traced = fxflops.trace(model, args, kwargs, backward=True)
+        assert sorted(planned.modules()) == sorted(traced.modules())
+        for path in traced.modules():
+            assert str(planned.formula(path)) == str(traced.formula(path)), (type(model).__name__, path)

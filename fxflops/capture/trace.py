@@ -271,7 +271,8 @@ def trace_graph(
     Parameters and buffers enter as static-shaped fake placeholders, swapped in with
     ``functional_call``: the model's real state is never read for compute nor mutated (e.g.
     BatchNorm's ``num_batches_tracked += 1``). A distributed engine's sharded parameters get the
-    shape this rank computes with (``capture/engines.py``). Nodes carry ``nn_module_stack`` relative to ``model``;
+    shape this rank computes with (``capture/engines.py``); a model on the ``meta`` device (no
+    weights) has its parameters faked on the call's device. Nodes carry ``nn_module_stack`` relative to ``model``;
     ``gm.meta["output_structure"]`` keeps the output's pytree spec and its non-tensor leaves.
     """
     leaves, tree = pytree.tree_flatten((args, kwargs))
@@ -280,7 +281,7 @@ def trace_graph(
     shapes = compute_shapes(model)  # sharded parameters of distributed engines: what this rank computes with
     with mode:
         fake_state = [
-            torch.empty(tuple(shapes.get(id(t), t.shape)), dtype=t.dtype, device=t.device).requires_grad_(t.requires_grad)
+            torch.empty(tuple(shapes.get(id(t), t.shape)), dtype=t.dtype, device=_computing_device(t, leaves)).requires_grad_(t.requires_grad)
             for t in state.values()
         ]
 
@@ -325,6 +326,14 @@ def trace_graph(
             f"could not trace {type(model).__name__} symbolically at {_model_line(exc)}: "
             f"{type(exc).__name__}: {str(exc).splitlines()[0]}{hint}"
         ) from exc
+
+
+def _computing_device(tensor: torch.Tensor, leaves: list[Any]) -> torch.device:
+    """The device a parameter or buffer computes on: its own, or for a model built on the ``meta``
+    device (planning without weights) the device of the call's first tensor that is not on meta."""
+    if tensor.device.type != "meta":
+        return tensor.device
+    return next((leaf.device for leaf in leaves if isinstance(leaf, torch.Tensor) and leaf.device.type != "meta"), tensor.device)
 
 
 def held_paths(tensors: dict[Path, Any]) -> list[Path]:
