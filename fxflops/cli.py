@@ -8,6 +8,10 @@
 * ``fxflops check PACKAGE.MODULE:FACTORY --formula NAME|MODULE:CALLABLE``: ``fxflops.verify`` a hand
   formula against the traced program and print the verdict.
 
+``report`` and ``check`` also take a transformers ``config.json`` (or the folder holding it) in place of
+a factory: the model is built from the config on the ``meta`` device, with no weights loaded (sizing a
+run before it has hardware), and traced on a text example (``batch`` x ``seq``: set them with ``--dim``).
+
 A factory is a callable returning a dict: ``model``, ``args`` (example positional inputs), and
 optionally ``kwargs``, ``dims``, ``segments``, ``per_segment`` (as for ``fxflops.trace``) and
 ``formulas`` (name -> a function of the program's symbol names). ``fxflops.models.tiny_vlm:example``
@@ -26,6 +30,7 @@ import json
 import random
 import sys
 import time
+from pathlib import Path
 
 import torch
 from rich.console import Console
@@ -114,7 +119,10 @@ class UsageError(Exception):
 
 
 def load_factory(spec: str) -> dict:
-    """``package.module:factory`` -> the dict the factory returns (see the module docstring)."""
+    """``package.module:factory`` -> the dict the factory returns; a ``config.json`` path (or its
+    folder) -> :func:`config_example` (see the module docstring)."""
+    if spec.endswith(".json") or Path(spec).is_dir():
+        return config_example(Path(spec))
     module_name, _, name = spec.partition(":")
     if not module_name or not name:
         raise UsageError(f"expected PACKAGE.MODULE:FACTORY, got {spec!r}")
@@ -126,6 +134,24 @@ def load_factory(spec: str) -> dict:
     if not isinstance(example, dict) or "model" not in example or "args" not in example:
         raise UsageError(f"factory {spec!r} must return a dict with at least 'model' and 'args'")
     return example
+
+
+def config_example(path: Path) -> dict:
+    """A transformers causal LM from a local ``config.json``, built on the ``meta`` device (no
+    weights), with a 1 x 16 text example whose ``batch`` and ``seq`` are symbols."""
+    folder = path if path.is_dir() else path.parent
+    if not (folder / "config.json").is_file():
+        raise UsageError(f"no config.json at {path}")
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
+    try:
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(config)
+    except ValueError as exc:
+        raise UsageError(f"{folder / 'config.json'}: not a causal language model transformers can build ({exc})") from exc
+    ids = torch.zeros(1, 16, dtype=torch.long)
+    return {"model": model.eval(), "args": (), "kwargs": {"input_ids": ids, "labels": ids}}
 
 
 def trace_example(example: dict, backward: bool) -> fxflops.Program:
@@ -249,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
         ("check", check, "verify a hand formula against the traced model"),
     ):
         p = commands.add_parser(name, help=help_text)
-        p.add_argument("factory", help="PACKAGE.MODULE:FACTORY returning {'model', 'args', ...}")
+        p.add_argument("factory", help="PACKAGE.MODULE:FACTORY returning {'model', 'args', ...}, or a transformers config.json")
         p.add_argument("--backward", action="store_true", help="capture the backward too (training FLOPs)")
         p.add_argument("--convention", default="flopcounter", help=f"one of {sorted(PRESETS)}")
         p.set_defaults(run=run)

@@ -64,3 +64,36 @@ def test_usage_errors_list_what_is_valid():
     assert bad_formula.returncode == 2 and "'hand'" in bad_formula.stderr
     bad_convention = fxflops("report", VLM, "--convention", "nope")
     assert bad_convention.returncode == 2 and "megatron" in bad_convention.stderr
+
+
+def test_report_from_a_config_json_equals_the_factory_route(tmp_path):
+    """Planning without weights: ``report config.json`` builds the model on the meta device; its
+    table equals the one of a factory building the same model with real weights."""
+    import os
+
+    import transformers
+
+    transformers.LlamaConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    ).save_pretrained(tmp_path / "tiny")
+    (tmp_path / "tiny_factory.py").write_text(
+        "import torch, transformers\n"
+        "def example():\n"
+        f"    config = transformers.AutoConfig.from_pretrained({str(tmp_path / 'tiny')!r})\n"
+        "    ids = torch.zeros(1, 16, dtype=torch.long)\n"
+        "    return {'model': transformers.AutoModelForCausalLM.from_config(config).eval(), 'args': (), 'kwargs': {'input_ids': ids, 'labels': ids}}\n"
+    )
+    documents = []
+    for spec, name in ((str(tmp_path / "tiny" / "config.json"), "planned.json"), ("tiny_factory:example", "factory.json")):
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+        result = subprocess.run(
+            [sys.executable, "-m", "fxflops", "report", spec, "--backward", "--dim", "batch=4", "--dim", "seq=2048", "--json", str(tmp_path / name)],
+            capture_output=True, text=True, timeout=300, env=env,
+        )
+        assert result.returncode == 0, result.stderr
+        documents.append(json.loads((tmp_path / name).read_text()))
+    planned, factory = documents
+    assert planned["values"] == factory["values"] == {"batch": 4, "seq": 2048}
+    assert planned["modules"] == factory["modules"] and planned["total"] == factory["total"] > 0
+    result = fxflops("report", str(tmp_path))  # a folder without a config.json
+    assert result.returncode == 2 and "no config.json" in result.stderr
