@@ -41,38 +41,65 @@ from fxflops.capture.scope import capturing
 PRE_ENCODED = ("mm_encoder_outputs",)
 
 
+class _Route:
+    """The routed forward installed on one model while any thread generates through it: one
+    dispatcher, each generating thread with its own count function and call counter."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.previous = vars(model).get("forward")  # a framework's own instance-level forward, or None
+        self.original = model.forward
+        self.threads: dict[int, list] = {}  # thread id -> [count function, calls so far, depth]
+        original = self.original
+
+        @functools.wraps(original)
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            state = self.threads.get(threading.get_ident())
+            if state is None or state[2] or capturing():
+                return original(*args, **kwargs)
+            phase = "prefill" if state[1] == 0 else "decode"
+            state[1] += 1
+            state[2] += 1
+            try:
+                return state[0](phase, original, args, kwargs)
+            finally:
+                state[2] -= 1
+
+        forward.fxflops_own = True
+        forward.__signature__ = _without(inspect.signature(original), PRE_ENCODED)
+        self.forward = forward
+
+
+_ROUTES: dict[int, _Route] = {}  # id(model) -> its route, while some thread generates
+_ROUTES_LOCK = threading.Lock()
+
+
 @contextlib.contextmanager
 def counting_own_calls(model: torch.nn.Module, count: Callable[..., Any]) -> Iterator[None]:
     """For the block, in this thread: ``model``'s own top-level calls run ``count(phase, forward,
-    args, kwargs)`` instead of ``forward(*args, **kwargs)`` (see the module docstring)."""
-    state = vars(model)
-    previous = state.get("forward")
-    original = model.forward
-    owner = threading.get_ident()
-    calls, depth = [0], [0]
-
-    @functools.wraps(original)
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        if depth[0] or capturing() or threading.get_ident() != owner:
-            return original(*args, **kwargs)
-        phase = "prefill" if calls[0] == 0 else "decode"
-        calls[0] += 1
-        depth[0] += 1
-        try:
-            return count(phase, original, args, kwargs)
-        finally:
-            depth[0] -= 1
-
-    forward.fxflops_own = True
-    forward.__signature__ = _without(inspect.signature(original), PRE_ENCODED)
-    state["forward"] = forward
+    args, kwargs)`` instead of ``forward(*args, **kwargs)`` (see the module docstring). Threads
+    generating through one model at once share its route; the last one out puts the model back."""
+    me = threading.get_ident()
+    with _ROUTES_LOCK:
+        route = _ROUTES.get(id(model))
+        if route is None:
+            route = _ROUTES[id(model)] = _Route(model)
+            vars(model)["forward"] = route.forward
+        outer = route.threads.get(me)  # a generate inside a generate (same thread) counts on its own
+        route.threads[me] = [count, 0, 0]
     try:
         yield
     finally:
-        if previous is None:
-            state.pop("forward", None)
-        else:
-            state["forward"] = previous
+        with _ROUTES_LOCK:
+            if outer is not None:
+                route.threads[me] = outer
+            else:
+                del route.threads[me]
+            if not route.threads:
+                del _ROUTES[id(model)]
+                if route.previous is None:
+                    vars(model).pop("forward", None)
+                else:
+                    vars(model)["forward"] = route.previous
 
 
 def _without(signature: inspect.Signature, names: tuple[str, ...]) -> inspect.Signature:

@@ -190,3 +190,32 @@ def test_an_encoder_decoder_generate_is_refused_not_counted_without_its_encoder(
     assert wrapper.flops.uncounted == 1 and wrapper.flops.calls == 0
     with pytest.raises(fxflops.errors.CaptureError, match="encoder-decoder"):
         fxflops.instrument(model, strict=True).generate(input_ids=ids, max_new_tokens=3)
+
+
+def test_two_threads_generating_through_one_wrapper_both_count_exactly():
+    model = _text_model("llama", "eager")
+    wrapper = fxflops.instrument(model, strict=True)
+    prompts = [_prompt(1, 6, seed=8), _prompt(3, 4, seed=9)]
+    generation = dict(max_new_tokens=7, min_new_tokens=7, do_sample=False)
+    for prompt in prompts:  # the captures first: then both threads only count
+        wrapper.generate(**prompt, **generation)
+    wrapper.flops.reset()
+    barrier, errors = threading.Barrier(2), []
+
+    def generate(prompt) -> None:
+        try:
+            barrier.wait()
+            for _ in range(3):
+                wrapper.generate(**prompt, **generation)
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(repr(exc))
+
+    threads = [threading.Thread(target=generate, args=(p,)) for p in prompts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    expected = 3 * sum(_reference(model, prompt, **generation) for prompt in prompts)
+    assert sum(_phases(wrapper.flops)) == expected and wrapper.flops.calls == 2 * 3 * 7
+    assert "forward" not in vars(model)
