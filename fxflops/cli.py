@@ -220,6 +220,8 @@ def report(args: argparse.Namespace) -> int:
     Console(width=None if sys.stdout.isatty() else 160).print(table)
     for note in program.notes:
         print(f"note: {note}")
+    if args.peak is not None or args.device is not None:
+        print(step_time(rows[0] if rows else {}, args.peak, args.device, args.mfu))
     if args.json:
         document = {
             "convention": convention.describe(),
@@ -237,6 +239,26 @@ def report(args: argparse.Namespace) -> int:
 
         plot_breakdown(program, values, depth=args.depth, convention=convention, path=args.plot)
     return 0
+
+
+def step_time(root: dict, peak: float | None, device: str | None, mfu: float) -> str:
+    """The time one call of the reported sizes takes on a device at ``mfu``: model FLOPs (forward +
+    backward; recompute is not useful work) / (peak FLOP/s x MFU)."""
+    from fxflops.peaks import lookup_peak
+
+    if not 0 < mfu <= 1:
+        raise UsageError(f"--mfu must be in (0, 1], not {mfu}")
+    source = "given with --peak"
+    if peak is None:
+        peak, source = lookup_peak(device, torch.bfloat16)
+        if peak is None:
+            raise UsageError(f"no peak FLOP/s for --device {device!r}: {source}; give --peak FLOPS")
+    model_flops = root.get("fwd", 0) + root.get("bwd", 0)
+    seconds = model_flops / (peak * mfu)
+    return (
+        f"step time at {100 * mfu:.0f}% MFU on {device or 'the given peak'} ({peak / 1e12:,.1f} TFLOP/s bf16 dense, {source}): "
+        f"{seconds * 1e3:,.3f} ms per call ({model_flops:,} model FLOPs)"
+    )
 
 
 def check(args: argparse.Namespace) -> int:
@@ -284,6 +306,9 @@ def main(argv: list[str] | None = None) -> int:
             p.add_argument("--depth", type=int, default=2)
             p.add_argument("--json", metavar="PATH", help="write the report as JSON")
             p.add_argument("--plot", metavar="PATH", help="write the per-module breakdown as a PNG")
+            p.add_argument("--device", help="a device name (H100, B200, ...): print the step time at --mfu on it")
+            p.add_argument("--peak", type=float, help="peak FLOP/s per device (instead of --device)")
+            p.add_argument("--mfu", type=float, default=0.4, help="the MFU of --device/--peak step times (default 0.4)")
         else:
             p.add_argument("--formula", required=True, help="a formula the factory offers, or MODULE:CALLABLE")
     args = parser.parse_args(argv)

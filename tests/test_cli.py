@@ -95,5 +95,9 @@ def test_report_from_a_config_json_equals_the_factory_route(tmp_path):
     planned, factory = documents
     assert planned["values"] == factory["values"] == {"batch": 4, "seq": 2048}
     assert planned["modules"] == factory["modules"] and planned["total"] == factory["total"] > 0
+    result = fxflops("report", str(tmp_path / "tiny"), "--backward", "--dim", "batch=4", "--dim", "seq=2048", "--depth", "0", "--peak", "1e15", "--mfu", "0.5")
+    root = planned["modules"][0]
+    seconds = (root["fwd"] + root["bwd"]) / (1e15 * 0.5)  # model FLOPs at 50% of a 1 PFLOP/s peak
+    assert result.returncode == 0 and f"{seconds * 1e3:,.3f} ms per call" in result.stdout, result.stdout[-400:]
     result = fxflops("report", str(tmp_path))  # a folder without a config.json
     assert result.returncode == 2 and "no config.json" in result.stderr
