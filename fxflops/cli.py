@@ -93,21 +93,21 @@ def demo(args: argparse.Namespace) -> int:
 
     wrapper = fxflops.instrument(model, dims=dims, segments=segments)
     batches = [random_batch(cfg, rng) for _ in range(args.microbatches)]
-    with torch.no_grad():
+    repeats = 100
+    with torch.no_grad():  # inference calls: the situation the counting is timed in, too
         for batch in batches:
             wrapper(*batch.inputs())
-    repeats = 100
-    start = time.perf_counter()
-    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(repeats):
+            for batch in batches:
+                wrapper._count(batch.inputs(), {})
+        per_call_us = (time.perf_counter() - start) / (repeats * len(batches)) * 1e6
+        wrapper.flops.reset()
         for batch in batches:
             wrapper._count(batch.inputs(), {})
-    per_call_us = (time.perf_counter() - start) / (repeats * len(batches)) * 1e6
-    wrapper.flops.reset()
-    for batch in batches:
-        wrapper._count(batch.inputs(), {})
     shapes = ", ".join(f"{len(b.image_grid_thw)} img/{len(b.sequence_lengths)} seq" for b in batches)
     print(
-        f"\ninstrument(): {len(batches)} random microbatches ({shapes}) counted from {wrapper.captures} capture, "
+        f"\ninstrument(): {len(batches)} random microbatches ({shapes}) counted from {wrapper.captures} capture(s), "
         f"counting takes {per_call_us:.1f} us per microbatch: {wrapper.flops.total():,} FLOPs"
     )
     print(wrapper.flops.table(depth=1))
