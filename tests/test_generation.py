@@ -219,3 +219,32 @@ def test_two_threads_generating_through_one_wrapper_both_count_exactly():
     expected = 3 * sum(_reference(model, prompt, **generation) for prompt in prompts)
     assert sum(_phases(wrapper.flops)) == expected and wrapper.flops.calls == 2 * 3 * 7
     assert "forward" not in vars(model)
+
+
+def test_a_hand_written_decode_loop_through_the_wrapper_counts_exactly_with_two_programs():
+    """A KV cache passed to the wrapper by hand: real logits and cache contents, the cache length a
+    symbol (one program for the prompt, one for every decode step)."""
+    model = _text_model("qwen2", "eager")
+    wrapper = fxflops.instrument(model, strict=True)
+
+    def decode(module, prompt, steps):
+        cache = transformers.DynamicCache(config=model.config)
+        logits = []
+        with torch.no_grad():
+            out = module(input_ids=prompt, past_key_values=cache, use_cache=True)
+            for _ in range(steps):
+                logits.append(out.logits[:, -1])
+                out = module(input_ids=out.logits[:, -1:].argmax(-1), past_key_values=cache, use_cache=True)
+        return torch.stack(logits), cache
+
+    for length, steps in ((5, 3), (9, 12)):
+        prompt = _prompt(2, length, seed=length)["input_ids"]
+        before = wrapper.flops.total()
+        logits, cache = decode(wrapper, prompt, steps)
+        expected_logits, expected_cache = decode(model, prompt, steps)
+        assert torch.equal(logits, expected_logits)
+        assert all(torch.equal(a.keys, b.keys) for a, b in zip(cache.layers, expected_cache.layers))
+        with flop_counter_with_cpu_attention(), FlopCounterMode(display=False) as counter:
+            decode(model, prompt, steps)
+        assert wrapper.flops.total() - before == counter.get_total_flops(), (length, steps)
+    assert wrapper.captures == 2
