@@ -19,8 +19,7 @@ Only the expert modules run under the mode; the rest of the model is untouched.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
