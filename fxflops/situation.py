@@ -87,9 +87,19 @@ def _key(value: Any, shapes: bool, held: list[int] | None) -> Any:
         raise InputError(f"an argument object holds more than {_BUDGET} values: fxflops cannot tell its calls apart cheaply")
     held[1] += 1
     deep = held[1] > MAX_HELD_DEPTH  # an object the capture does not follow: its tensors are constants
-    key = (kind, "object", tuple([(name, _key(v, deep, held)) for name, v in state.items()]))
+    items = []
+    for name, v in state.items():  # the common values inline (a cache holds many): as _key keys them
+        t = type(v)
+        if t is torch.Tensor and not deep:
+            items.append((name, (t, v.dtype, v.device, v.requires_grad, v.dim())))
+        elif t is int and not deep:
+            items.append((name, _HELD_INT))
+        elif t is bool or t is type(None):
+            items.append((name, (t, v)))
+        else:
+            items.append((name, _key(v, deep, held)))
     held[1] -= 1
-    return key
+    return (kind, "object", tuple(items))
 
 
 class CallKeys:
