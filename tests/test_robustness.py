@@ -228,15 +228,12 @@ def test_a_capture_leaves_a_kv_cache_untouched():
 
 def test_a_model_in_another_thread_sees_none_of_the_capture():
     """While another thread captures VLMs (packed pieces, layout-oblivious copies, checkpoint tags,
-    read recording, FX's tracing flag), plain tensor code and compiled modules here behave exactly as
-    always."""
+    read recording, FX's tracing flag), plain tensor code here behaves exactly as always."""
     from fxflops.models import hf_zoo
 
     import random
 
     stop, failures = threading.Event(), []
-    compiled = torch.compile(torch.nn.Linear(3, 3), backend="eager")
-    compiled(torch.zeros(4, 3))  # compiled before the capture starts
 
     def plain_work():
         x = torch.arange(12.0).reshape(4, 3)
@@ -251,7 +248,6 @@ def test_a_model_in_another_thread_sees_none_of_the_capture():
                     torch.zeros(1, 3).expand(4, 3).add_(1)  # the in-place overlap check still holds
                 assert F.linear(x, torch.eye(3)).equal(x)
                 assert not torch.fx._symbolic_trace.is_fx_tracing()
-                assert compiled(x).shape == (4, 3)  # Dynamo does not see the capture's FX trace
             except Exception as exc:  # noqa: BLE001 - reported below
                 failures.append(repr(exc))
                 return
@@ -269,6 +265,42 @@ def test_a_model_in_another_thread_sees_none_of_the_capture():
         stop.set()
         worker.join()
     assert not failures, failures
+
+
+def test_a_compiled_module_in_another_thread_keeps_running_during_a_capture():
+    """FX's process-wide tracing flag no longer reaches another thread: its compiled module runs
+    (it raised "FX to symbolically trace a dynamo-optimized function" before). The capture itself
+    counts its call exactly or, if the concurrent compiled call disturbed its trace, not at all."""
+    stop, failures, calls = threading.Event(), [], [0]
+    compiled = torch.compile(torch.nn.Linear(3, 3), backend="eager")
+    x = torch.zeros(4, 3)
+    compiled(x)  # compiled before the capture starts
+
+    def compiled_work():
+        while not stop.is_set():
+            try:
+                assert compiled(x).shape == (4, 3)
+                calls[0] += 1
+            except Exception as exc:  # noqa: BLE001 - reported below
+                failures.append(repr(exc))
+                return
+
+    worker = threading.Thread(target=compiled_work)
+    worker.start()
+    try:
+        torch.manual_seed(0)
+        model = TinyGPT(CONFIG)
+        wrapper = fxflops.instrument(model, backward=True)
+        ids = torch.randint(0, 100, (2, 9))
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            wrapper(ids).sum().backward()
+    finally:
+        stop.set()
+        worker.join()
+    assert not failures and calls[0] > 0, failures
+    assert wrapper.flops.total() in (0, flop_counter_call(model, (ids,), {}, backward=True))
+    assert wrapper.flops.uncounted == (wrapper.flops.total() == 0)
 
 
 @pytest.mark.parametrize("shared", [False, True], ids=["two_wrappers", "one_wrapper"])
