@@ -154,7 +154,7 @@ def _raise_boom(input_ids, scores, **kwargs):
 
 @pytest.mark.parametrize(
     "family",
-    ["qwen2_vl", "llava_clip", "gemma3", pytest.param("qwen2_5_vl", marks=pytest.mark.long), pytest.param("qwen3_vl", marks=pytest.mark.long)],
+    ["qwen2_vl", "gemma3", *(pytest.param(f, marks=pytest.mark.long) for f in ("llava_clip", "qwen2_5_vl", "qwen3_vl"))],
 )
 def test_generate_with_images_counts_the_vision_tower_in_the_prefill(family):
     """transformers encodes images before the prefill, outside the forward; fxflops' generate keeps
