@@ -15,7 +15,8 @@ capturing at once must not install and remove each other's patches.
 - FX keeps "a symbolic trace is running" in one process-wide flag (``torch.fx._symbolic_trace``), which
   ``make_fx`` sets for the whole capture. A compiled module (``torch.compile``) called in another thread reads
   it and refuses to run ("FX to symbolically trace a dynamo-optimized function"). While a capture
-  runs, the flag's readers answer for the calling thread (:func:`_fx_tracing_for_this_thread`), and
+  runs, the flag's readers answer for the calling thread (:func:`_fx_tracing_for_this_thread`: another
+  thread's compiled module waits for the capture to end instead of raising or disturbing it), and
   compiled code reached by the capture itself runs as written (Dynamo inlines it instead of raising):
   a capture traces what a compiled module computes. The methods FX's tracer patches on
   ``nn.Module`` to record module calls are patched for the capturing thread only.
@@ -57,8 +58,12 @@ def capture_scope() -> Iterator[None]:
 
 def _fx_tracing_here() -> bool:
     """FX's tracing flag as the calling thread sees it while a capture runs: set only by the capture,
-    so true only in the capturing thread."""
-    return capturing() and bool(_fx_trace._is_fx_tracing_flag)
+    so true only in the capturing thread. Another thread asking (a compiled module about to run,
+    which would disturb the trace) waits for the capture to end, then sees no trace."""
+    if capturing():
+        return bool(_fx_trace._is_fx_tracing_flag)
+    with _LOCK:  # held by the capturing thread for the whole capture
+        return False
 
 
 def _is_fx_tracing_per_thread() -> bool:  # the code of torch.fx's is_fx_tracing while a capture runs
