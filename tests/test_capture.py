@@ -379,6 +379,7 @@ def test_identical_layers_are_traced_once_and_distinct_ones_each():
     assert program.total(rows=5) == reference_counts(model, torch.randn(5, 8))[""] == 2 * 5 * 8 * 8 * 6
 
 
+@pytest.mark.long  # two models traced twice each, a transformers VLM among them
 def test_a_model_on_the_meta_device_traces_to_the_program_of_its_real_weights():
     """Planning without weights: a model built under ``torch.device("meta")`` is traced with its
     parameters faked on the call's device, and every module's formula is that of the same model with

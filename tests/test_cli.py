@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 VLM = "fxflops.models.tiny_vlm:example"
 GPT = "fxflops.models.tiny_gpt:example"
 
@@ -66,6 +68,7 @@ def test_usage_errors_list_what_is_valid():
     assert bad_convention.returncode == 2 and "megatron" in bad_convention.stderr
 
 
+@pytest.mark.long  # two subprocesses tracing a transformers model: ~70 s
 def test_report_from_a_config_json_equals_the_factory_route(tmp_path):
     """Planning without weights: ``report config.json`` builds the model on the meta device; its
     table equals the one of a factory building the same model with real weights."""

@@ -145,7 +145,7 @@ def _unsharded_reference(world: int) -> list[int]:
     ("engine", "order"),
     [
         ("fsdp2", "instrument_first"), ("fsdp2", "wrap_first"), ("ddp", "instrument_first"), ("ddp", "wrap_first"),
-        ("fsdp2", "compile_first"), pytest.param("fsdp2", "compile_last", marks=pytest.mark.long),
+        *(pytest.param("fsdp2", order, marks=pytest.mark.long) for order in ("compile_first", "compile_last")),
     ],
 )
 def test_data_parallel_engines_count_each_rank_and_stay_untouched(engine, order):
@@ -242,6 +242,7 @@ def _train_two_dimensional(rank: int, instrumented: bool) -> tuple:
     return losses, counted
 
 
+@pytest.mark.long  # 4 ranks on the machine's 2 cores
 def test_tensor_parallel_inside_fsdp2_replicas_sums_to_the_replicas_work():
     world = 4
     runs = spawn(_two_dimensional_rank, world, timeout=400)
