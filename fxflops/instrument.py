@@ -29,6 +29,7 @@ trace (``torch.compiler.disable``: a graph break on each side of the model's cal
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import threading
 import time
@@ -248,7 +249,11 @@ class Instrumented(torch.nn.Module):
             self._add(found, out, phase)
             return out
 
-        with counting_own_calls(self.traced, count):
+        with contextlib.ExitStack() as stack:
+            try:  # routing the model's own calls can fail only before generate starts: then run it uncounted
+                stack.enter_context(counting_own_calls(self.traced, count))
+            except Exception as exc:  # noqa: BLE001 - the fail-open boundary
+                self._not_counted(exc)
             out = generate(*args, **kwargs)
         try:
             self.flops.generated_tokens += generated_tokens(self.traced, args, kwargs, out)
