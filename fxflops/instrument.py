@@ -30,17 +30,20 @@ trace (``torch.compiler.disable``: a graph break on each side of the model's cal
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import threading
 import time
 import types
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
 
+from fxflops.call_keys import CallKeys
 from fxflops.capture.adapters import adapter_for
 from fxflops.capture.engines import not_a_microbatch, traced_module
 from fxflops.capture.trace import capture
@@ -49,10 +52,11 @@ from fxflops.errors import CaptureError, FxFlopsError, GuardError, InputError, M
 from fxflops.meter import Meter
 from fxflops.program import Program, backward_rule
 from fxflops.routing import RoutingProbes
-from fxflops.situation import CallKeys, ModelState, describe_difference, mode_key
+from fxflops.situation import ModelState, describe_difference, mode_key
 
 ON_MISS = ("recapture", "raise")
 MAX_ATTEMPTS = 3  # captures tried per situation before its calls are refused outright
+RECENT = 4  # situations per call layout recognised by generated tests (CallKeys.check)
 
 
 @dataclass
@@ -75,22 +79,22 @@ class _Branch:
     def find(self, args: tuple, kwargs: dict) -> tuple[Program | None, tuple | str]:
         """(program, symbol values) of the first program whose model state and guards this call meets,
         else (None, why not). Malformed metadata raises :class:`MetadataError` (no re-capture)."""
-        miss = "no program captured yet for this situation"
-        for program in self.programs:
+        miss: Callable[[], str] = lambda: "no program captured yet for this situation"
+        for program in self.programs:  # why the last one does not apply is put in words only when none does
             if program.state is not None and not program.state.matches():
-                miss = f"the model is not in the state the program was traced in: {program.state.mismatch()}"
+                miss = functools.partial(_state_mismatch, program.state)
                 continue
             try:
                 values = program.binder.values(args, kwargs)
             except MetadataError:
                 raise
             except InputError as exc:
-                miss = str(exc)
+                miss = functools.partial(str, exc)
                 continue
             if program.within_guards(*values):
                 return program, values
-            miss = program.explain_guard_failure(values)
-        return None, miss
+            miss = functools.partial(program.explain_guard_failure, values)
+        return None, miss()
 
     def refusal(self, sizes: tuple) -> str | None:
         """Why a call of this size class is refused without another capture, or None."""
@@ -100,6 +104,10 @@ class _Branch:
             if refusal.sizes == sizes and (refusal.state is None or refusal.state.matches()):
                 return refusal.reason
         return None
+
+
+def _state_mismatch(state: ModelState) -> str:
+    return f"the model is not in the state the program was traced in: {state.mismatch()}"
 
 
 def _size_class(args: tuple, kwargs: dict) -> tuple:
@@ -164,11 +172,12 @@ class Instrumented(torch.nn.Module):
         # dataset columns that are forward parameters, and finds label names there)
         self.forward = types.MethodType(_with_signature(type(self).forward, self.traced.forward), self)
         self._lock = threading.Lock()
+        self._recent: dict[tuple, tuple] = {}  # call layout -> (check, modes, branch) of recent situations
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
-        state.pop("forward", None)
-        state.pop("_lock", None)
+        for runtime in ("forward", "_lock", "_recent"):
+            state.pop(runtime, None)
         return state
 
     def __setstate__(self, state: dict) -> None:
@@ -293,11 +302,19 @@ class Instrumented(torch.nn.Module):
         """The program of this call's situation whose model state and guards it meets, and its
         symbol values; captures a new one when none does (``on_miss``); raises FxFlopsError when
         it cannot."""
-        situation = (self._call_keys(args, kwargs), mode_key())
+        layout, modes = (len(args), tuple(kwargs)), mode_key()
+        for check, traced_modes, branch in self._recent.get(layout, ()):  # situations seen before: tested fast
+            if traced_modes == modes and check(args, kwargs):
+                program, found = branch.find(args, kwargs)
+                if program is not None:
+                    return program, found
+                break
+        situation = (self._call_keys(args, kwargs), modes)
         branch = self._branches.get(situation)
         if branch is not None:
             program, found = branch.find(args, kwargs)
             if program is not None:
+                self._remember(layout, situation, branch, args, kwargs)
                 return program, found
         with self._lock:  # one capture per situation, also when two threads make its first call
             branch = self._branches.setdefault(situation, _Branch())
@@ -320,6 +337,20 @@ class Instrumented(torch.nn.Module):
                 raise CaptureError(refused)
             program = self._capture(branch, situation, sizes, args, kwargs)
         return program, program.binder.values(args, kwargs)
+
+    def _remember(self, layout: tuple, situation: tuple, branch: _Branch, args: tuple, kwargs: dict) -> None:
+        """Put ``branch`` first among the situations tested fast for calls of ``layout`` (its test
+        generated from this call, once; ``call_keys.py``), the last :data:`RECENT` of them kept."""
+        recent = self._recent.get(layout, ())
+        if recent and recent[0][2] is branch:
+            return
+        entry = next((e for e in recent if e[2] is branch), None)
+        if entry is None:
+            check = self._call_keys.check(args, kwargs)
+            if check is None:
+                return
+            entry = (check, situation[1], branch)
+        self._recent[layout] = (entry, *[e for e in recent if e is not entry][: RECENT - 1])
 
     def _nearest_difference(self, situation: tuple) -> str:
         """How this call's situation differs from the last captured one, in words."""

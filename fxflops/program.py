@@ -27,6 +27,7 @@ import torch
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from fxflops.binder import VALID, Binder, generated, python_source
+from fxflops.call_keys import CallKeys
 from fxflops.capture.adapters import Adapter
 from fxflops.capture.inputs import path_label
 import fxflops.capture.reuse  # noqa: F401 - registers fxflops::repeat_layer
@@ -39,7 +40,7 @@ from fxflops.errors import CaptureError, GuardError, InputError, MetadataError, 
 from fxflops.rules import entry_for, segment_args
 from fxflops.rules.elementwise import elementwise_flops
 from fxflops.rules.not_counted import is_not_counted, touches_floats
-from fxflops.situation import CallKeys, ModelState, describe_difference
+from fxflops.situation import ModelState, describe_difference
 
 PHASES = ("fwd", "bwd", "recompute")
 _CALLS, _MEASURED = sympy.Symbol("calls"), sympy.Symbol("measured_calls")  # bookkeeping columns of MoE programs

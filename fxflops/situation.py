@@ -3,7 +3,7 @@
 A program is exact for the call it was traced from and for every call *in the same situation* whose
 sizes meet its guards. The situation has three parts, checked on every counted call:
 
-- :class:`CallKeys`: the call itself besides the sizes the binder reads — which arguments are given
+- :class:`~fxflops.call_keys.CallKeys` (``fxflops/call_keys.py``): the call itself besides the sizes the binder reads — which arguments are given
   (positionally or by keyword), which are ``None``; each tensor's type, dtype, device,
   ``requires_grad`` and rank; the value of every Python scalar, string, enum, dtype or device;
   containers by structure; other objects (a cache, a config passed in) by type and contents, their
@@ -17,7 +17,8 @@ sizes meet its guards. The situation has three parts, checked on every counted c
   traced with grad enabled), and the model's structure: the identity of every module, parameter and
   buffer, their shapes, dtypes and devices, and the number of hooks.
 
-The first two are tuples compared as dictionary keys. The model state is a generated Python function
+The first two are tuples compared as dictionary keys (a call in a situation seen before is
+recognised by generated tests instead, without building its key: ``CallKeys.check``). The model state is a generated Python function
 over the recorded attributes (tens of nanoseconds per attribute); the structure, whose full check
 walks every module, is re-checked only after something was registered on any module anywhere (module,
 parameter and buffer assignments fire torch's global registration hooks, counted by
@@ -27,8 +28,6 @@ registered on a module). A call in another situation gets its own program, or a 
 
 from __future__ import annotations
 
-import enum
-import inspect
 import itertools
 import weakref
 from collections.abc import Callable
@@ -37,128 +36,8 @@ from typing import Any
 
 import torch
 
-from fxflops.capture.inputs import MAX_HELD_DEPTH, held_state
+from fxflops.call_keys import SCALARS, value_key
 from fxflops.capture.reads import Reads
-from fxflops.errors import InputError
-
-_SCALARS = (
-    bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device, torch.layout,
-    torch.memory_format, torch.Size, slice, range, type, enum.Enum,
-)
-_EXACT_SCALARS = frozenset({bool, int, float, str, type(None), torch.dtype, torch.device})  # the common ones, by type
-_HELD_INT = (int,)
-_BUDGET = 4096  # values looked at inside one argument object (a larger one is refused)
-
-
-def value_key(value: Any, shapes: bool = False) -> Any:
-    """A hashable description of one value (see the module docstring); ``shapes``: tensors by shape
-    too (tensors the trace used as constants, and those inside objects)."""
-    return _key(value, shapes, None)
-
-
-def argument_key(value: Any) -> Any:
-    """:func:`value_key` of a call's argument: the tensors an argument object holds are inputs of the
-    trace down to ``MAX_HELD_DEPTH`` objects deep (``capture/inputs.py``: their sizes are symbols
-    the binder reads), so they are keyed without their sizes; deeper ones by shape."""
-    return _key(value, False, [_BUDGET, 0])
-
-
-def _key(value: Any, shapes: bool, held: list[int] | None) -> Any:
-    """``held``: None outside argument objects' inputs, else [values left, object depth]."""
-    kind = type(value)
-    if kind is torch.Tensor or isinstance(value, torch.Tensor):
-        key = (kind, value.dtype, value.device, value.requires_grad, value.dim())
-        return key + (tuple(value.shape),) if shapes else key
-    if kind in _EXACT_SCALARS or isinstance(value, _SCALARS):
-        if kind is int and held is not None and held[1] and not shapes:  # an object's integer: a symbol (capture/inputs.py)
-            return _HELD_INT
-        return (kind, value)
-    if kind is list or kind is tuple or isinstance(value, (list, tuple)):
-        return (kind, tuple([_key(v, shapes, held) for v in value]))
-    if isinstance(value, dict):
-        return (kind, tuple([(k, _key(v, shapes, held)) for k, v in value.items()]))
-    state = held_state(value)
-    if state is None:  # functions, modules, objects without attributes
-        return (kind, id(value))
-    if held is None or shapes:  # attributes in their order: another order is another key, never a wrong one
-        return (kind, "object", tuple([(name, _key(v, True, None)) for name, v in state.items()]))
-    held[0] -= len(state)
-    if held[0] < 0:
-        raise InputError(f"an argument object holds more than {_BUDGET} values: fxflops cannot tell its calls apart cheaply")
-    held[1] += 1
-    deep = held[1] > MAX_HELD_DEPTH  # an object the capture does not follow: its tensors are constants
-    items = []
-    for name, v in state.items():  # the common values inline (a cache holds many): as _key keys them
-        t = type(v)
-        if t is torch.Tensor and not deep:
-            items.append((name, (t, v.dtype, v.device, v.requires_grad, v.dim())))
-        elif t is int and not deep:
-            items.append((name, _HELD_INT))
-        elif t is bool or t is type(None):
-            items.append((name, (t, v)))
-        else:
-            items.append((name, _key(v, deep, held)))
-    held[1] -= 1
-    return (kind, "object", tuple(items))
-
-
-class CallKeys:
-    """The identity of calls of ``forward`` besides their sizes (see the module docstring): each
-    parameter's value by name in signature order, defaults for those not given, so that one call
-    made positionally or by keyword, or omitting an argument rather than passing its default, is one
-    situation. The binding plan of each layout (how many positional arguments, which keywords) is
-    worked out once, as a generated function."""
-
-    def __init__(self, forward: Callable[..., Any]) -> None:
-        self._signature = inspect.signature(forward)
-        self._by_layout: dict[tuple, Callable[[tuple, dict], tuple]] = {}
-
-    def __call__(self, args: tuple, kwargs: dict) -> tuple:
-        layout = (len(args), tuple(kwargs))
-        key = self._by_layout.get(layout)
-        if key is None:
-            key = self._by_layout[layout] = self._compile(args, kwargs)
-        return key(args, kwargs)
-
-    def _compile(self, args: tuple, kwargs: dict) -> Callable[[tuple, dict], tuple]:
-        """The key of calls laid out like this one: straight-line code, defaults as constants."""
-        scope: dict[str, Any] = {"_vk": argument_key}
-        parts = []
-        for i, (name, where, default) in enumerate(self._plan(args, kwargs)):
-            if where is None:
-                scope[f"_c{i}"] = (name, default)
-                parts.append(f"_c{i}")
-            else:
-                parts.append(f"({name!r}, _vk({'args' if type(where) is int else 'kwargs'}[{where!r}]))")
-        exec(compile(f"def key(args, kwargs):\n    return ({', '.join(parts)}{',' if parts else ''})\n", "<fxflops call key>", "exec"), scope)  # noqa: S102
-        return scope["key"]
-
-    def _plan(self, args: tuple, kwargs: dict) -> tuple:
-        """(name, where its value is: a position or a keyword, or None and the key of its default)
-        per parameter (``*args`` and ``**kwargs`` as the values they collect, by position and by
-        keyword); raises TypeError for a call ``forward`` does not accept."""
-        bound = self._signature.bind(*args, **kwargs)
-        positional = len(args)
-        plan, i = [], 0
-        for name, param in self._signature.parameters.items():
-            if param.kind is inspect.Parameter.VAR_POSITIONAL:
-                plan += [(f"{name}[{j - i}]", j, None) for j in range(i, positional)]
-                i = positional
-            elif param.kind is inspect.Parameter.VAR_KEYWORD:
-                named = set(self._signature.parameters)
-                plan += [(k, k, None) for k in sorted(k for k in kwargs if k not in named)]
-            elif name not in bound.arguments:
-                default = param.default
-                plan.append((name, None, value_key(None if default is inspect.Parameter.empty else default)))
-            elif param.kind is not inspect.Parameter.KEYWORD_ONLY and i < positional:
-                plan.append((name, i, None))
-                i += 1
-            else:
-                plan.append((name, name, None))
-        return tuple(plan)
-
-    def __getstate__(self) -> dict:
-        return {"_signature": self._signature, "_by_layout": {}}
 
 
 def _autocast_key() -> tuple:
@@ -231,7 +110,7 @@ def _described(key: Any) -> str:
         return f"a {kind.__name__} ({key[1]}, {key[2]}, requires_grad={key[3]}, rank {key[4]})"
     if kind is type(None):
         return "None"
-    if len(key) == 2 and isinstance(kind, type) and issubclass(kind, _SCALARS):
+    if len(key) == 2 and isinstance(kind, type) and issubclass(kind, SCALARS):
         return repr(key[1])
     return f"a {getattr(kind, '__name__', kind)} with other contents"
 
@@ -274,7 +153,7 @@ _PLAIN_CONTAINERS = (tuple, list, dict, set, frozenset)
 
 def _plain(value: Any, size: int = 64) -> bool:
     """Numbers, strings, flags, dtypes, enums, and small containers of them: compared by value."""
-    if isinstance(value, _SCALARS):
+    if isinstance(value, SCALARS):
         return True
     if isinstance(value, _PLAIN_CONTAINERS) and len(value) <= size:
         items = value.items() if isinstance(value, dict) else ((v, v) for v in value)

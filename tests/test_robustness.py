@@ -1,7 +1,7 @@
 """Telemetry never breaks training and never touches the user's objects (issue 13, points 3-7).
 
 - Fault injection: an exception raised inside each stage fxflops runs during a call (adapter prepare,
-  call key, modes, model state, capture, analysis, binding, metadata, guard evaluation, monomials,
+  call key, the call key test of a known situation, modes, model state, capture, analysis, binding, metadata, guard evaluation, monomials,
   routing probes, meter add) leaves the model's output and gradients exactly as without fxflops,
   marks the call uncounted with one warning, and reaches the caller only with ``strict=True``.
 - A refused call layout costs one capture attempt, not one per call.
@@ -32,6 +32,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import fxflops
 import fxflops.binder
+import fxflops.call_keys
 import fxflops.meter
 import fxflops.program
 import fxflops.routing
@@ -58,7 +59,8 @@ def _step(model, ids):
 
 STAGES = {  # stage -> (what to patch, attribute) ; "first" faults need no program yet, the others one
     "prepare": ("adapter", "prepare"),
-    "call key": (fxflops.situation, "argument_key"),
+    "call key": (fxflops.call_keys, "argument_key"),
+    "call key test": (fxflops.call_keys.CallKeys, "check"),
     "modes": (INSTRUMENT, "mode_key"),
     "capture": (INSTRUMENT, "capture"),
     "analysis": (fxflops.program.Program, "from_capture"),
@@ -68,7 +70,7 @@ STAGES = {  # stage -> (what to patch, attribute) ; "first" faults need no progr
     "monomials": ("program", "monomials"),
     "meter add": (fxflops.meter.Meter, "add"),
 }
-NEEDS_PROGRAM = {"model state", "binding", "guard evaluation", "monomials", "meter add"}
+NEEDS_PROGRAM = {"call key test", "model state", "binding", "guard evaluation", "monomials", "meter add"}
 
 
 @pytest.mark.parametrize("stage", list(STAGES))

@@ -1,0 +1,255 @@
+"""Call keys: the identity of a call besides the sizes its symbols carry (the first part of a call's
+situation, ``fxflops/situation.py``), and the fast test that a call has a key seen before.
+
+:func:`argument_key` describes one argument as a hashable value: each tensor's type, dtype, device,
+``requires_grad`` and rank; the value of every Python scalar, string, enum, dtype or device;
+containers by structure; other objects (a cache, a config passed in) by type and contents, their
+tensors as inputs (without sizes: those are symbols the binder reads, so one decode program serves
+every length of a key-value cache); functions and modules by identity. :class:`CallKeys` keys a
+whole call by parameter name, defaults filled in.
+
+Building and hashing a key walks every value an argument holds (a key-value cache: every layer).
+:meth:`CallKeys.check` generates, from one call, straight-line code that tests whether another call
+has the same key, without building it: the tests :func:`_key` makes, each against the value it found
+in that call (type identity first, so the other call's values take the same branches of
+:func:`_key`). A passing test means equal keys; a failing one only that the fast path does not
+apply (the key is then built and looked up as usual).
+"""
+
+from __future__ import annotations
+
+import enum
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from fxflops.capture.inputs import MAX_HELD_DEPTH, held_state
+from fxflops.errors import InputError
+
+SCALARS = (  # compared by value
+    bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device, torch.layout,
+    torch.memory_format, torch.Size, slice, range, type, enum.Enum,
+)
+_EXACT_SCALARS = frozenset({bool, int, float, str, type(None), torch.dtype, torch.device})  # the common ones, by type
+_HELD_INT = (int,)
+_BUDGET = 4096  # values looked at inside one argument object (a larger one is refused)
+
+
+def value_key(value: Any, shapes: bool = False) -> Any:
+    """A hashable description of one value (see the module docstring); ``shapes``: tensors by shape
+    too (tensors the trace used as constants, and those inside objects)."""
+    return _key(value, shapes, None)
+
+
+def argument_key(value: Any) -> Any:
+    """:func:`value_key` of a call's argument: the tensors an argument object holds are inputs of the
+    trace down to ``MAX_HELD_DEPTH`` objects deep (``capture/inputs.py``: their sizes are symbols
+    the binder reads), so they are keyed without their sizes; deeper ones by shape."""
+    return _key(value, False, [_BUDGET, 0])
+
+
+def _key(value: Any, shapes: bool, held: list[int] | None) -> Any:
+    """``held``: None outside argument objects' inputs, else [values left, object depth]."""
+    kind = type(value)
+    if kind is torch.Tensor or isinstance(value, torch.Tensor):
+        key = (kind, value.dtype, value.device, value.requires_grad, value.dim())
+        return key + (tuple(value.shape),) if shapes else key
+    if kind in _EXACT_SCALARS or isinstance(value, SCALARS):
+        if kind is int and held is not None and held[1] and not shapes:  # an object's integer: a symbol (capture/inputs.py)
+            return _HELD_INT
+        return (kind, value)
+    if kind is list or kind is tuple or isinstance(value, (list, tuple)):
+        return (kind, tuple([_key(v, shapes, held) for v in value]))
+    if isinstance(value, dict):
+        return (kind, tuple([(k, _key(v, shapes, held)) for k, v in value.items()]))
+    state = held_state(value)
+    if state is None:  # functions, modules, objects without attributes
+        return (kind, id(value))
+    if held is None or shapes:  # attributes in their order: another order is another key, never a wrong one
+        return (kind, "object", tuple([(name, _key(v, True, None)) for name, v in state.items()]))
+    held[0] -= len(state)
+    if held[0] < 0:
+        raise InputError(f"an argument object holds more than {_BUDGET} values: fxflops cannot tell its calls apart cheaply")
+    held[1] += 1
+    deep = held[1] > MAX_HELD_DEPTH  # an object the capture does not follow: its tensors are constants
+    items = []
+    for name, v in state.items():  # the common values inline (a cache holds many): as _key keys them
+        t = type(v)
+        if t is torch.Tensor and not deep:
+            items.append((name, (t, v.dtype, v.device, v.requires_grad, v.dim())))
+        elif t is int and not deep:
+            items.append((name, _HELD_INT))
+        elif t is bool or t is type(None):
+            items.append((name, (t, v)))
+        else:
+            items.append((name, _key(v, deep, held)))
+    held[1] -= 1
+    return (kind, "object", tuple(items))
+
+
+class CallKeys:
+    """The identity of calls of ``forward`` besides their sizes (see the module docstring): each
+    parameter's value by name in signature order, defaults for those not given, so that one call
+    made positionally or by keyword, or omitting an argument rather than passing its default, is one
+    situation. The binding plan of each layout (how many positional arguments, which keywords) is
+    worked out once, as a generated function."""
+
+    def __init__(self, forward: Callable[..., Any]) -> None:
+        self._signature = inspect.signature(forward)
+        self._by_layout: dict[tuple, Callable[[tuple, dict], tuple]] = {}
+
+    def __call__(self, args: tuple, kwargs: dict) -> tuple:
+        layout = (len(args), tuple(kwargs))
+        key = self._by_layout.get(layout)
+        if key is None:
+            key = self._by_layout[layout] = self._compile(args, kwargs)
+        return key(args, kwargs)
+
+    def _compile(self, args: tuple, kwargs: dict) -> Callable[[tuple, dict], tuple]:
+        """The key of calls laid out like this one: straight-line code, defaults as constants."""
+        scope: dict[str, Any] = {"_vk": argument_key}
+        parts = []
+        for i, (name, where, default) in enumerate(self._plan(args, kwargs)):
+            if where is None:
+                scope[f"_c{i}"] = (name, default)
+                parts.append(f"_c{i}")
+            else:
+                parts.append(f"({name!r}, _vk({'args' if type(where) is int else 'kwargs'}[{where!r}]))")
+        exec(compile(f"def key(args, kwargs):\n    return ({', '.join(parts)}{',' if parts else ''})\n", "<fxflops call key>", "exec"), scope)  # noqa: S102
+        return scope["key"]
+
+    def _plan(self, args: tuple, kwargs: dict) -> tuple:
+        """(name, where its value is: a position or a keyword, or None and the key of its default)
+        per parameter (``*args`` and ``**kwargs`` as the values they collect, by position and by
+        keyword); raises TypeError for a call ``forward`` does not accept."""
+        bound = self._signature.bind(*args, **kwargs)
+        positional = len(args)
+        plan, i = [], 0
+        for name, param in self._signature.parameters.items():
+            if param.kind is inspect.Parameter.VAR_POSITIONAL:
+                plan += [(f"{name}[{j - i}]", j, None) for j in range(i, positional)]
+                i = positional
+            elif param.kind is inspect.Parameter.VAR_KEYWORD:
+                named = set(self._signature.parameters)
+                plan += [(k, k, None) for k in sorted(k for k in kwargs if k not in named)]
+            elif name not in bound.arguments:
+                default = param.default
+                plan.append((name, None, value_key(None if default is inspect.Parameter.empty else default)))
+            elif param.kind is not inspect.Parameter.KEYWORD_ONLY and i < positional:
+                plan.append((name, i, None))
+                i += 1
+            else:
+                plan.append((name, name, None))
+        return tuple(plan)
+
+    def check(self, args: tuple, kwargs: dict) -> Callable[[tuple, dict], bool] | None:
+        """A generated test that a call laid out like this one (the same number of positional
+        arguments, the same keywords in the same order) has this call's key (see the module
+        docstring); None for a call holding more values than a test is generated for."""
+        tests = _Tests()
+        try:
+            for _, where, _ in self._plan(args, kwargs):
+                if where is not None:
+                    source = "args" if type(where) is int else "kwargs"
+                    value = args[where] if type(where) is int else kwargs[where]
+                    tests.add(value, f"{source}[{where!r}]", False, [_BUDGET, 0])
+        except _TooLarge:
+            return None
+        check = tests.function()
+        return check if check(args, kwargs) else None
+
+    def __getstate__(self) -> dict:
+        return {"_signature": self._signature, "_by_layout": {}}
+
+
+_MAX_TESTS = 4096  # lines of one generated check; a call holding more keeps the general path
+
+
+class _TooLarge(Exception):
+    pass
+
+
+class _Tests:
+    """The source of a test that a value has the key :func:`_key` gives the value it is generated
+    from: the same branches (taken by exact type), each compared with what it found there."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+        self.scope: dict[str, Any] = {}
+
+    def add(self, value: Any, source: str, shapes: bool, held: list[int] | None) -> None:
+        """Tests for ``value``, found at ``source`` (mirrors :func:`_key` line by line)."""
+        kind, x = type(value), self._local(source)
+        other_type = f"type({x}) is not {self._constant(kind)}"
+        if kind is torch.Tensor or isinstance(value, torch.Tensor):
+            failing = [
+                other_type, f"{x}.dtype is not {self._constant(value.dtype)}", self._other_device(x, value.device),
+                f"{x}.requires_grad is not {value.requires_grad}", f"{x}.dim() != {value.dim()}",
+            ]
+            if shapes:
+                failing.append(f"{x}.shape != {self._constant(value.shape)}")
+            self._fail_if(" or ".join(failing))
+        elif kind in _EXACT_SCALARS or isinstance(value, SCALARS):
+            if kind is int and held is not None and held[1] and not shapes:
+                self._fail_if(other_type)
+            else:  # a key's tuple compares its items by identity, then ==
+                c = self._constant(value)
+                self._fail_if(f"{other_type} or not ({x} is {c} or {x} == {c})")
+        elif kind is list or kind is tuple or isinstance(value, (list, tuple)):
+            self._fail_if(f"{other_type} or len({x}) != {len(value)}")
+            for i, v in enumerate(value):
+                self.add(v, f"{x}[{i}]", shapes, held)
+        elif isinstance(value, dict):
+            self._fail_if(f"{other_type} or tuple({x}) != {self._constant(tuple(value))}")
+            for k, v in value.items():
+                self.add(v, f"{x}[{self._constant(k)}]", shapes, held)
+        elif (state := held_state(value)) is None:
+            self._fail_if(f"{other_type} or id({x}) != {id(value)}")
+        else:
+            self._fail_if(other_type)
+            attributes = self._local(f"{x}.__dict__")
+            self._fail_if(f"tuple({attributes}) != {self._constant(tuple(state))}")
+            if held is None or shapes:
+                for name, v in state.items():
+                    self.add(v, f"{attributes}[{name!r}]", True, None)
+                return
+            held[0] -= len(state)
+            if held[0] < 0:  # _key refuses such a call
+                raise _TooLarge
+            held[1] += 1
+            deep = held[1] > MAX_HELD_DEPTH
+            for name, v in state.items():  # _key's inline cases are _key(v, deep, held)
+                self.add(v, f"{attributes}[{name!r}]", deep, held)
+            held[1] -= 1
+
+    def function(self) -> Callable[[tuple, dict], bool]:
+        constants = "".join(f", {name}={name}" for name in self.scope)  # bound as defaults: fast local loads
+        source = f"def check(args, kwargs{constants}):\n" + "\n".join(self.lines + ["    return True"]) + "\n"
+        exec(compile(source, "<fxflops call check>", "exec"), self.scope)  # noqa: S102 - our own generated code
+        return self.scope["check"]
+
+    def _other_device(self, x: str, device: torch.device) -> str:
+        """A tensor ``x`` not on ``device`` (a CPU tensor's device is always plain ``cpu``; a CUDA
+        tensor's always has its index)."""
+        if device.type == "cpu":
+            return f"not {x}.is_cpu"
+        if device.type == "cuda" and device.index is not None:
+            return f"not {x}.is_cuda or {x}.get_device() != {device.index}"
+        return f"{x}.device != {self._constant(device)}"
+
+    def _local(self, source: str) -> str:
+        name = f"_l{len(self.lines)}"
+        self.lines.append(f"    {name} = {source}")
+        return name
+
+    def _constant(self, value: Any) -> str:
+        name = f"_c{len(self.scope)}"
+        self.scope[name] = value
+        return name
+
+    def _fail_if(self, failing: str) -> None:
+        self.lines.append(f"    if {failing}: return False")
+        if len(self.lines) > _MAX_TESTS:
+            raise _TooLarge
