@@ -47,8 +47,10 @@ def trace(
     ``dims`` names the free symbols by forward-argument name and dimension, e.g.
     ``{"input_ids": {1: "seq"}, "pixel_values": {0: "patches"}}``; one name on two inputs is one
     symbol; every other dim is static. ``dims=None`` makes every dim of every tensor input free unless
-    the model's code pins it, named ``<argument>_<dim>``. With explicit ``dims``, a symbol the code
-    pins raises :class:`PinnedSymbolError` naming the line.
+    the model's code pins it, named ``<argument>_<dim>``; where the example's size-1 dims must broadcast
+    (a ``(4, 1)`` bias, a ``(b, 1, 1, s)`` mask) they stay 1 (a call with another size there is
+    another program). With explicit ``dims``, a symbol the code pins raises
+    :class:`PinnedSymbolError` naming the line.
 
     Segment families (packed sequences cut by ``cu_seqlens``, frames from ``image_grid_thw``) are found
     automatically where offsets reach a varlen attention op; their power sums ``<family>_p<k>`` are

@@ -10,7 +10,9 @@
 
 ``report`` and ``check`` also take a transformers ``config.json`` (or the folder holding it) in place of
 a factory: the model is built from the config on the ``meta`` device, with no weights loaded (sizing a
-run before it has hardware), and traced on a text example (``batch`` x ``seq``: set them with ``--dim``).
+run before it has hardware), and traced on a text example (``batch`` x ``seq``: set them with ``--dim``)
+with, for a VLM, the images given as ``--image 448x448`` (repeat the option for several; laid out as
+the family's processor does: ``fxflops/integrations/hf_examples.py``).
 
 A factory is a callable returning a dict: ``model``, ``args`` (example positional inputs), and
 optionally ``kwargs``, ``dims``, ``segments``, ``per_segment`` (as for ``fxflops.trace``) and
@@ -118,11 +120,13 @@ class UsageError(Exception):
     """A command-line mistake: exit code 2 with this message."""
 
 
-def load_factory(spec: str) -> dict:
+def load_factory(spec: str, images: list[str] = ()) -> dict:
     """``package.module:factory`` -> the dict the factory returns; a ``config.json`` path (or its
-    folder) -> :func:`config_example` (see the module docstring)."""
+    folder) and the ``--image`` sizes -> :func:`config_example` (see the module docstring)."""
     if spec.endswith(".json") or Path(spec).is_dir():
-        return config_example(Path(spec))
+        return config_example(Path(spec), [image_size(image) for image in images])
+    if images:
+        raise UsageError("--image applies to a config.json (a factory builds its own example)")
     module_name, _, name = spec.partition(":")
     if not module_name or not name:
         raise UsageError(f"expected PACKAGE.MODULE:FACTORY, got {spec!r}")
@@ -136,22 +140,40 @@ def load_factory(spec: str) -> dict:
     return example
 
 
-def config_example(path: Path) -> dict:
-    """A transformers causal LM from a local ``config.json``, built on the ``meta`` device (no
-    weights), with a 1 x 16 text example whose ``batch`` and ``seq`` are symbols."""
+def config_example(path: Path, images: list[tuple[int, int]] = ()) -> dict:
+    """A transformers model from a local ``config.json``, built on the ``meta`` device (no weights),
+    with a training example of one sequence: 16 text tokens whose ``batch`` and ``seq`` are
+    symbols, and ``images`` (width, height) laid out as the family's processor lays them out
+    (``fxflops/integrations/hf_examples.py``)."""
     folder = path if path.is_dir() else path.parent
     if not (folder / "config.json").is_file():
         raise UsageError(f"no config.json at {path}")
     import transformers
 
+    from fxflops.integrations.hf_examples import example_call
+
     config = transformers.AutoConfig.from_pretrained(folder, local_files_only=True)
+    vision = getattr(config, "vision_config", None) is not None
+    builder = transformers.AutoModelForImageTextToText if vision else transformers.AutoModelForCausalLM
+    try:
+        kwargs = example_call(config, list(images))
+    except ValueError as exc:
+        raise UsageError(f"{folder / 'config.json'}: {exc}") from exc
     try:
         with torch.device("meta"):
-            model = transformers.AutoModelForCausalLM.from_config(config)
+            model = builder.from_config(config)
     except ValueError as exc:
-        raise UsageError(f"{folder / 'config.json'}: not a causal language model transformers can build ({exc})") from exc
-    ids = torch.zeros(1, 16, dtype=torch.long)
-    return {"model": model.eval(), "args": (), "kwargs": {"input_ids": ids, "labels": ids}}
+        kind = "vision-language" if vision else "causal language"
+        raise UsageError(f"{folder / 'config.json'}: not a {kind} model transformers can build ({exc})") from exc
+    return {"model": model.eval(), "args": (), "kwargs": kwargs}
+
+
+def image_size(text: str) -> tuple[int, int]:
+    """``--image WIDTHxHEIGHT`` in pixels."""
+    width, _, height = text.lower().partition("x")
+    if not (width.isdigit() and height.isdigit() and int(width) > 0 and int(height) > 0):
+        raise UsageError(f"bad --image {text!r}: use WIDTHxHEIGHT in pixels, e.g. 448x448")
+    return int(width), int(height)
 
 
 def trace_example(example: dict, backward: bool) -> fxflops.Program:
@@ -205,7 +227,7 @@ def report_rows(program: fxflops.Program, values: dict[str, int], depth: int, co
 
 
 def report(args: argparse.Namespace) -> int:
-    example = load_factory(args.factory)
+    example = load_factory(args.factory, args.image)
     convention = convention_named(args.convention)
     program = trace_example(example, args.backward)
     values = symbol_values(program, example, args.dim)
@@ -262,7 +284,7 @@ def step_time(root: dict, peak: float | None, device: str | None, mfu: float) ->
 
 
 def check(args: argparse.Namespace) -> int:
-    example = load_factory(args.factory)
+    example = load_factory(args.factory, args.image)
     convention = convention_named(args.convention)
     formulas = example.get("formulas") or {}
     if args.formula in formulas:
@@ -300,6 +322,8 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("factory", help="PACKAGE.MODULE:FACTORY returning {'model', 'args', ...}, or a transformers config.json")
         p.add_argument("--backward", action="store_true", help="capture the backward too (training FLOPs)")
         p.add_argument("--convention", default="flopcounter", help=f"one of {sorted(PRESETS)}")
+        p.add_argument("--image", action="append", default=[], metavar="WxH",
+                       help="with a config.json: an image of the example, in pixels (repeat for several)")
         p.set_defaults(run=run)
         if name == "report":
             p.add_argument("--dim", action="append", default=[], metavar="NAME=INT", help="a symbol's value")

@@ -16,11 +16,12 @@ the prefill (the same arithmetic and the same features) and is counted with it. 
 model's encoder also runs outside the forward: its ``generate`` is not counted (a warning, and the
 calls are in ``uncounted``) rather than counted without its encoder.
 
-The first forward of a ``generate`` call is its ``prefill`` (the prompt, and in a VLM the images);
-every later one is a ``decode`` step. A key-value cache's tensors are inputs of the trace whose
-length is a symbol (``capture/inputs.py``), so one prefill program and one decode program serve
-every step of every request. With chunked prefill (``prefill_chunk_size``) the chunks after the
-first are counted as decode steps.
+The forwards transformers' prefill stage makes (``GenerationMixin._prefill``, routed alike for the
+generating threads: the prompt, in a VLM the images, and every chunk of a chunked prefill,
+``prefill_chunk_size``) are the ``prefill`` phase; every later forward is a ``decode`` step (with a
+``generate`` that has no prefill stage, the first forward is the prefill). A key-value cache's
+tensors are inputs of the trace whose length is a symbol (``capture/inputs.py``), so one prefill
+program and one decode program serve every step of every request.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import functools
 import inspect
 import threading
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -39,34 +41,63 @@ from fxflops.capture.scope import capturing
 # forward arguments through which transformers' generate hands over image and video features it
 # computed before the prefill, outside the model's forward (hidden from it while counting)
 PRE_ENCODED = ("mm_encoder_outputs",)
+ROUTED = ("forward", "_prefill")  # the model's methods a route replaces for the generating threads
+
+
+@dataclass
+class _Generating:
+    """One thread's ``generate`` call through a route."""
+
+    count: Callable[..., Any]
+    calls: int = 0  # forwards counted so far
+    depth: int = 0  # > 0 while a counted forward runs (the model calling itself is not another call)
+    prefilling: int = 0  # > 0 inside transformers' prefill stage (every chunk of a chunked prefill)
 
 
 class _Route:
-    """The routed forward installed on one model while any thread generates through it: one
-    dispatcher, each generating thread with its own count function and call counter."""
+    """The routed forward (and prefill stage) installed on one model while any thread generates
+    through it: one dispatcher, each generating thread with its own count function and counters."""
 
     def __init__(self, model: torch.nn.Module) -> None:
-        self.previous = vars(model).get("forward")  # a framework's own instance-level forward, or None
-        self.original = model.forward
-        self.threads: dict[int, list] = {}  # thread id -> [count function, calls so far, depth]
-        original = self.original
+        self.previous = {name: vars(model).get(name) for name in ROUTED}  # a framework's own overrides, or None
+        self.threads: dict[int, _Generating] = {}
+        original = model.forward
+        prefill = getattr(model, "_prefill", None)  # transformers >= 5: the prefill stage is its own method
 
         @functools.wraps(original)
         def forward(*args: Any, **kwargs: Any) -> Any:
             state = self.threads.get(threading.get_ident())
-            if state is None or state[2] or capturing():
+            if state is None or state.depth or capturing():
                 return original(*args, **kwargs)
-            phase = "prefill" if state[1] == 0 else "decode"
-            state[1] += 1
-            state[2] += 1
+            if prefill is not None:
+                phase = "prefill" if state.prefilling else "decode"
+            else:  # without a prefill stage to watch: the first forward is the prompt's
+                phase = "prefill" if state.calls == 0 else "decode"
+            state.calls += 1
+            state.depth += 1
             try:
-                return state[0](phase, original, args, kwargs)
+                return state.count(phase, original, args, kwargs)
             finally:
-                state[2] -= 1
+                state.depth -= 1
 
         forward.fxflops_own = True
         forward.__signature__ = _without(inspect.signature(original), PRE_ENCODED)
-        self.forward = forward
+        self.methods = {"forward": forward}
+        if prefill is not None:
+
+            @functools.wraps(prefill)
+            def prefill_stage(*args: Any, **kwargs: Any) -> Any:
+                state = self.threads.get(threading.get_ident())
+                if state is None:
+                    return prefill(*args, **kwargs)
+                state.prefilling += 1
+                try:
+                    return prefill(*args, **kwargs)
+                finally:
+                    state.prefilling -= 1
+
+            prefill_stage.fxflops_own = True
+            self.methods["_prefill"] = prefill_stage
 
 
 _ROUTES: dict[int, _Route] = {}  # id(model) -> its route, while some thread generates
@@ -83,9 +114,9 @@ def counting_own_calls(model: torch.nn.Module, count: Callable[..., Any]) -> Ite
         route = _ROUTES.get(id(model))
         if route is None:
             route = _ROUTES[id(model)] = _Route(model)
-            vars(model)["forward"] = route.forward
+            vars(model).update(route.methods)
         outer = route.threads.get(me)  # a generate inside a generate (same thread) counts on its own
-        route.threads[me] = [count, 0, 0]
+        route.threads[me] = _Generating(count)
     try:
         yield
     finally:
@@ -96,10 +127,11 @@ def counting_own_calls(model: torch.nn.Module, count: Callable[..., Any]) -> Ite
                 del route.threads[me]
             if not route.threads:
                 del _ROUTES[id(model)]
-                if route.previous is None:
-                    vars(model).pop("forward", None)
-                else:
-                    vars(model)["forward"] = route.previous
+                for name in route.methods:
+                    if route.previous[name] is None:
+                        vars(model).pop(name, None)
+                    else:
+                        vars(model)[name] = route.previous[name]
 
 
 def _without(signature: inspect.Signature, names: tuple[str, ...]) -> inspect.Signature:

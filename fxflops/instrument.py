@@ -253,9 +253,11 @@ class Instrumented(torch.nn.Module):
             return generate(*args, **kwargs)
 
         def count(phase: str, forward: Any, call_args: tuple, call_kwargs: dict) -> Any:
-            call_args, call_kwargs, found = self._look_up(call_args, call_kwargs)
+            compiling = torch.compiler.is_compiling()  # generate compiles decode steps with a static cache on GPUs
+            look_up, add = (self._look_up_eagerly, self._add_eagerly) if compiling else (self._look_up, self._add)
+            call_args, call_kwargs, found = look_up(call_args, call_kwargs)
             out = forward(*call_args, **call_kwargs)
-            self._add(found, out, phase)
+            add(found, out, phase)
             return out
 
         with contextlib.ExitStack() as stack:

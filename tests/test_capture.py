@@ -401,3 +401,63 @@ def test_a_model_on_the_meta_device_traces_to_the_program_of_its_real_weights():
         assert sorted(planned.modules()) == sorted(traced.modules())
         for path in traced.modules():
             assert str(planned.formula(path)) == str(traced.formula(path)), (type(model).__name__, path)
+
+
+class Broadcasting(nn.Module):
+    """A (rows, 1) bias and a (b, 1, 1, s) mask that broadcast against full-size tensors."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x, bias, mask):
+        y = self.fc(x) + bias  # (rows, 8) + (rows, 1)
+        scores = (y @ y.T).expand(mask.shape[0], 2, -1, -1)  # (b, 2, rows, rows)
+        return scores.masked_fill(mask == 0, 0.0) @ y
+
+
+def test_zero_config_keeps_size_one_dims_that_broadcast_constant():
+    """With ``dims=None``, a size-1 dim of the example stays 1 (a free symbol there cannot broadcast);
+    a call with another size there is another program, counted exactly."""
+    from reference import flop_counter_call
+
+    model = Broadcasting()
+    call = (torch.randn(6, 8), torch.randn(6, 1), torch.ones(3, 1, 1, 6))
+    program = fxflops.trace(model, call)
+    assert {str(s) for s in program.symbols} == {"x_0", "mask_0"}  # rows (bias and mask tied to them) and b
+    wrapper = fxflops.instrument(model, strict=True)
+    calls = [call, (torch.randn(4, 8), torch.randn(4, 1), torch.ones(2, 1, 1, 4)),
+             (torch.randn(5, 8), torch.randn(5, 8), torch.ones(1, 2, 5, 5))]  # full-size bias and mask
+    for args in calls:
+        wrapper.flops.reset()
+        with torch.no_grad():
+            wrapper(*args)
+        assert wrapper.flops.total() == flop_counter_call(model, args, {}, backward=False), [a.shape for a in args]
+    assert wrapper.captures == 2
+
+
+class InPlaceOnInput(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        x.mul_(2)  # refused on a leaf that requires grad, allowed on a non-leaf
+        return self.fc(x)
+
+
+def test_a_non_leaf_input_that_requires_grad_is_traced_as_a_non_leaf():
+    """``x.clone()`` of a leaf requiring grad is no leaf: in-place ops on it work in the trace as in
+    the model, forward and training count exactly and the gradient reaches the leaf."""
+    from reference import flop_counter_call
+
+    model = InPlaceOnInput()
+    wrapper = fxflops.instrument(model, backward=True, strict=True)
+    for rows in (4, 7):
+        leaf = torch.randn(rows, 8, requires_grad=True)
+        wrapper.flops.reset()
+        wrapper(leaf.clone()).sum().backward()
+        expected_leaf = leaf.detach().clone().requires_grad_(True)
+        assert wrapper.flops.total() == flop_counter_call(model, (expected_leaf.clone(),), {}, backward=True)
+        assert torch.allclose(leaf.grad, 2 * model.fc.weight.sum(0).expand(rows, 8))
+    assert wrapper.captures == 1

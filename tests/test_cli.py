@@ -104,3 +104,74 @@ def test_report_from_a_config_json_equals_the_factory_route(tmp_path):
     assert result.returncode == 0 and f"{seconds * 1e3:,.3f} ms per call" in result.stdout, result.stdout[-400:]
     result = fxflops("report", str(tmp_path))  # a folder without a config.json
     assert result.returncode == 2 and "no config.json" in result.stderr
+
+
+@pytest.mark.long  # two subprocesses tracing a transformers VLM with its backward: ~40 s
+def test_report_of_a_vlm_config_with_images_equals_the_factory_route(tmp_path):
+    """``report config.json --image WxH ...`` lays the images out as Qwen2-VL's processor does; the
+    table equals a factory's whose example is laid out by hand (two images, 32x48 and 16x16 pixels:
+    patch 4 x merge 2 grids (1, 12, 8) and (1, 4, 4), 24 and 4 image tokens)."""
+    import os
+
+    from fxflops.models import hf_zoo
+
+    hf_zoo.build("qwen2_vl", "eager").config.save_pretrained(tmp_path / "tiny_vl")
+    start, end, image = hf_zoo.START, hf_zoo.END, hf_zoo.IMAGE
+    (tmp_path / "vl_factory.py").write_text(
+        "import torch, transformers\n"
+        "def example():\n"
+        f"    config = transformers.AutoConfig.from_pretrained({str(tmp_path / 'tiny_vl')!r})\n"
+        f"    ids = torch.tensor([[1] * 16 + [{start}] + [{image}] * 24 + [{end}] + [{start}] + [{image}] * 4 + [{end}]])\n"
+        "    model = transformers.AutoModelForImageTextToText.from_config(config).eval()\n"
+        "    kwargs = {'input_ids': ids, 'labels': ids, 'mm_token_type_ids': (ids == " f"{image}" ").long(),\n"
+        "              'pixel_values': torch.randn(96 + 16, 3 * 2 * 4 * 4), 'image_grid_thw': torch.tensor([[1, 12, 8], [1, 4, 4]])}\n"
+        "    return {'model': model, 'args': (), 'kwargs': kwargs}\n"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    documents = []
+    for spec, images in ((str(tmp_path / "tiny_vl"), ["--image", "32x48", "--image", "16x16"]), ("vl_factory:example", [])):
+        path = tmp_path / f"{len(documents)}.json"
+        result = subprocess.run(
+            [sys.executable, "-m", "fxflops", "report", spec, *images, "--backward", "--json", str(path)],
+            capture_output=True, text=True, timeout=300, env=env,
+        )
+        assert result.returncode == 0, result.stderr
+        documents.append(json.loads(path.read_text()))
+    planned, factory = documents
+    assert planned["values"] == factory["values"] and planned["values"]["patches"] == 112
+    assert planned["values"]["image_cu_seqlens_p2"] == 96**2 + 16**2  # the per-image attention's power sum
+    assert planned["modules"] == factory["modules"] and planned["total"] == factory["total"] > 0
+
+
+def test_image_sizes_the_processor_would_not_produce_are_usage_errors(tmp_path):
+    from fxflops.models import hf_zoo
+
+    hf_zoo.build("llava_clip", "eager").config.save_pretrained(tmp_path / "llava")
+    resized = fxflops("report", str(tmp_path / "llava"), "--image", "30x32")
+    assert resized.returncode == 2 and "resizes every image to 32x32" in resized.stderr
+    malformed = fxflops("report", str(tmp_path / "llava"), "--image", "32")
+    assert malformed.returncode == 2 and "WIDTHxHEIGHT" in malformed.stderr
+    factory = fxflops("report", GPT, "--image", "32x32")
+    assert factory.returncode == 2 and "config.json" in factory.stderr
+
+
+def test_processor_free_layouts_follow_the_config():
+    """The example calls' shapes for the two layouts, against the processors' arithmetic."""
+    import transformers
+
+    from fxflops.integrations.hf_examples import example_call
+
+    qwen = transformers.Qwen2VLConfig()  # patch 14, merge 2: sides rounded to multiples of 28
+    call = example_call(qwen, [(448, 448), (300, 200)], text_tokens=5)
+    assert call["image_grid_thw"].tolist() == [[1, 32, 32], [1, 14, 22]]  # 200 -> 196, 300 -> 308
+    assert call["pixel_values"].shape == (32 * 32 + 14 * 22, 3 * 2 * 14 * 14)
+    assert int((call["input_ids"] == qwen.image_token_id).sum()) == (32 * 32 + 14 * 22) // 4
+    assert call["input_ids"].shape[1] == 5 + (32 * 32 + 14 * 22) // 4 + 2 * 2
+    gemma = transformers.Gemma3Config()  # the tower's image_size (224 by default), 256 tokens per image between boi and eoi
+    call = example_call(gemma, [(224, 224)] * 2, text_tokens=3)
+    assert call["pixel_values"].shape == (2, 3, 224, 224) and call["input_ids"].shape[1] == 3 + 2 * 258
+    assert int(call["token_type_ids"].sum()) == 512
+    with pytest.raises(ValueError, match="cannot lay out"):
+        example_call(transformers.LlavaNextConfig(), [(336, 336)])
+    with pytest.raises(ValueError, match="no vision_config"):
+        example_call(transformers.LlamaConfig(), [(32, 32)])

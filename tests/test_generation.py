@@ -142,7 +142,7 @@ def test_generate_leaves_the_model_as_it_was_and_other_threads_uncounted():
         worker.join()
     assert seen == [6, 6]  # the prefill and 5 decode steps each time, none of the other thread's calls
     assert wrapper.captures == 2
-    assert "forward" not in vars(model) and model.forward == forward
+    assert "forward" not in vars(model) and "_prefill" not in vars(model) and model.forward == forward
     with pytest.raises(RuntimeError, match="boom"):  # a failing generate leaves the model as it was too
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -250,3 +250,38 @@ def test_a_hand_written_decode_loop_through_the_wrapper_counts_exactly_with_two_
             decode(model, prompt, steps)
         assert wrapper.flops.total() - before == counter.get_total_flops(), (length, steps)
     assert wrapper.captures == 2
+
+
+@pytest.mark.parametrize("attn", ["eager", pytest.param("sdpa", marks=pytest.mark.long)])
+def test_a_static_cache_generate_counts_every_step_against_the_whole_cache(attn):
+    """A static cache preallocates ``max_cache_len`` positions and every step attends over all of
+    them (masked): its length is the layer's ``max_cache_len``, a symbol, so one prefill and one
+    decode program serve requests of every length."""
+    model = _text_model("llama", attn)
+    wrapper = fxflops.instrument(model, strict=True)
+    for i, (batch, length, new) in enumerate([(1, 7, 4), (3, 5, 6), (2, 12, 9)]):
+        prompt = _prompt(batch, length, seed=20 + i)
+        generation = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, cache_implementation="static")
+        before = sum(_phases(wrapper.flops))
+        out = wrapper.generate(**prompt, **generation)
+        assert torch.equal(out, model.generate(**prompt, **generation)), (batch, length, new)
+        assert sum(_phases(wrapper.flops)) - before == _reference(model, prompt, **generation), (attn, batch, length, new)
+    # prefill and decode; with sdpa a prompt without padding is run without a mask (its own prefill)
+    assert wrapper.captures == (2 if attn == "eager" else 3) and wrapper.flops.uncounted == 0
+
+
+def test_a_chunked_prefill_is_counted_as_prefill_chunk_by_chunk():
+    """``prefill_chunk_size``: the prompt runs in chunks, each against the cache of the ones before;
+    every chunk is the prefill phase (transformers' prefill stage), the steps after it decode."""
+    model = _text_model("llama", "eager")
+    wrapper = fxflops.instrument(model, strict=True)
+    for batch, length, chunk, new in ((1, 11, 4, 5), (2, 9, 3, 3)):
+        prompt = _prompt(batch, length, seed=length)
+        generation = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, prefill_chunk_size=chunk)
+        before = _phases(wrapper.flops)
+        out = wrapper.generate(**prompt, **generation)
+        prefill, decode = (now - then for now, then in zip(_phases(wrapper.flops), before))
+        assert torch.equal(out, model.generate(**prompt, **generation))
+        assert prefill == _reference(model, prompt, **dict(generation, max_new_tokens=1, min_new_tokens=1)), (batch, length, chunk)
+        assert prefill + decode == _reference(model, prompt, **generation), (batch, length, chunk)
+    assert "_prefill" not in vars(model) and "forward" not in vars(model)

@@ -30,7 +30,9 @@ from fxflops.capture.adapters import Adapter
 from fxflops.capture.lifting import Lifted, install_stand_ins, lifted_paths
 from fxflops.capture.reuse import LayerCalledTwice, reusing_repeated_layers
 from fxflops.capture.phases import run_backward, tagging_recompute
-from fxflops.capture.inputs import DimSpec, Path, bind_call, held_ints, held_root, path_label, put, reach, resolve_dims, tensor_leaves
+from fxflops.capture.inputs import (
+    DimSpec, Path, bind_call, held_ints, held_root, is_metadata, path_label, put, reach, resolve_dims, tensor_leaves,
+)
 from fxflops.capture.engines import compute_shapes, engines_left_alone
 from fxflops.capture.isolation import isolated_call, preserving_state
 from fxflops.capture.reads import Reads, recording_reads
@@ -261,12 +263,16 @@ def trace_graph(
     kwargs: dict,
     backward: bool = False,
     held: list[tuple[Any, Path, Any]] = (),
+    non_leaf: frozenset[int] = frozenset(),
 ) -> torch.fx.GraphModule:
     """``make_fx`` of ``model(*args, **kwargs)`` whose tensors are fakes of ``mode``; with
     ``backward``, also of the backward from its loss or outputs (``_backward_roots``; ``capture/phases.py``).
     ``held`` are the tensors and integers held by argument objects, as (the object, the steps to the
     value below it, its fake or SymInt): graph inputs after the call's own tensors, put into the
-    objects when the trace runs.
+    objects when the trace runs. ``non_leaf``: ids of input fakes standing for tensors that are not
+    leaves of autograd (``x.clone()`` of a leaf that requires grad): they enter the model as such,
+    a copy made inside the trace, so in-place ops that a leaf requiring grad refuses work as on the
+    real tensor (the copy moves data, no FLOPs).
 
     Parameters and buffers enter as static-shaped fake placeholders, swapped in with
     ``functional_call``: the model's real state is never read for compute nor mutated (e.g.
@@ -290,10 +296,10 @@ def trace_graph(
     def run(*flat: torch.Tensor) -> list[torch.Tensor]:
         call_leaves = list(leaves)
         for i, tensor in zip(slots, flat):
-            call_leaves[i] = tensor
+            call_leaves[i] = tensor.clone() if id(leaves[i]) in non_leaf else tensor
         call_args, call_kwargs = pytree.tree_unflatten(call_leaves, tree)
-        for (holder, steps, _), tensor in zip(held, flat[len(slots) : len(slots) + len(held)]):
-            put(holder, steps, tensor)
+        for (holder, steps, fake), tensor in zip(held, flat[len(slots) : len(slots) + len(held)]):
+            put(holder, steps, tensor.clone() if id(fake) in non_leaf else tensor)
         swapped = dict(zip(state, flat[len(slots) + len(held) :]))
         out = torch.func.functional_call(model, swapped, call_args, call_kwargs, tie_weights=False, strict=False)
         out_leaves, spec = pytree.tree_flatten(out)
@@ -392,7 +398,8 @@ def capture(
     """Trace ``model(*args, **kwargs)`` once with the ``dims`` as free symbols (see module doc).
 
     A requested symbol the code pins raises :class:`PinnedSymbolError` unless ``dims`` is ``None``
-    (every dim free unless pinned, like ``Dim.AUTO``) or ``allow_pins`` (a re-capture for a call
+    (every dim free unless pinned, like ``Dim.AUTO``; when the trace fails with them free, the
+    example's size-1 dims are traced as constants: they broadcast) or ``allow_pins`` (a re-capture for a call
     outside an earlier program's guards: the pin becomes a guard of the new branch).
     ``per_segment`` lifts modules whose work is per segment (see ``capture/lifting.py``).
     ``backward`` captures the joint forward+backward graph (see ``capture/phases.py``).
@@ -415,7 +422,15 @@ def capture(
     with capture_scope():
         own_args, own_kwargs, uncopied = isolated_call(args, kwargs)
         with preserving_state(model, uncopied), engines_left_alone(model), recording_reads(model) as reads, _attaching(reads):
-            for reusing in (True, False):  # without reuse when a layer runs twice (capture/reuse.py)
+            # without reuse when a layer runs twice (capture/reuse.py); with dims=None, automatic size-1
+            # dims become constants when the trace fails with them free (a (4, 1) bias must broadcast)
+            size_one = [  # not metadata rows (sequences, images: never pinned)
+                spec for spec in specs
+                if tensors[spec.path].shape[spec.dim] == 1 and not (spec.dim == 0 and is_metadata(tensors[spec.path]))
+            ] if dims is None else []
+            plans = [(specs, True)]
+            while plans:
+                specs, reusing = plans.pop(0)
                 env = BlamingShapeEnv()
                 mode = FakeTensorMode(shape_env=env, allow_non_fake_inputs=True)
                 fakes, env_syms = _symbolic_inputs(env, mode, tensors, specs)
@@ -425,14 +440,19 @@ def capture(
                     lambda v: fake_by_id.get(id(v), v) if isinstance(v, torch.Tensor) else v, (own_args, own_kwargs)
                 )
                 held = _held_inputs(bind_call(model.forward, call_args, call_kwargs), {**fakes, **symints})
+                non_leaf = frozenset(id(fakes[path]) for path, t in tensors.items() if t.requires_grad and not t.is_leaf)
                 try:
                     with adapter.capturing(), install_stand_ins(model, per_segment, backward, adapter.same_layer_attributes) as lifted:
                         skip = set(lifted_paths(model, per_segment))
                         with reusing_repeated_layers(model, skip, backward, reusing, adapter.same_layer_attributes) as reuse:
-                            gm = trace_graph(model, mode, call_args, call_kwargs, backward, held)
-                    break
+                            gm = trace_graph(model, mode, call_args, call_kwargs, backward, held, non_leaf)
                 except LayerCalledTwice:
-                    continue
+                    plans.append((specs, False))
+                except CaptureError:
+                    if not size_one:
+                        raise
+                    plans.append(([spec for spec in specs if spec not in size_one], reusing))
+                    size_one = []
     pinned = _check_free(env, env_syms, strict=dims is not None and not allow_pins)
     env_to_named = {sym: named_symbol(name) for name, sym in env_syms.items()}
     path_of = {id(tensor): path for path, tensor in tensors.items()}

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from fxflops.capture.adapters import Adapter
-from fxflops.capture.inputs import bind_call, held_root, path_label, tensor_leaves
+from fxflops.capture.inputs import bind_call, held_root, is_metadata, path_label, tensor_leaves
 from fxflops.capture.pieces import packed_pieces
 from fxflops.errors import CaptureError, MetadataError
 
@@ -132,9 +132,11 @@ class TransformersAdapter(Adapter):
     def dims(self, args: tuple, kwargs: dict) -> dict[str, dict[int, str]]:
         """Every tensor dim of the call named: batch/seq on text inputs, past on a key-value cache's
         keys and values, patches on packed pixels, images on batched pixels, ``<argument>_<dim>``
-        elsewhere and where a known name's sizes disagree (a decode step's mask is past + 1 long). Of the derived metadata only dim 0
-        varies: the modality's patches when it runs along them (rotary positions, interpolation
-        taps), else its own symbol (offsets, window indices)."""
+        elsewhere and where a known name's sizes disagree (a decode step's mask is past + 1 long).
+        A dim of size 1 stays 1 (it broadcasts, or it is a decode step's one token) unless it
+        counts items (:data:`COUNTS`, the rows of integer metadata). Of the derived metadata only dim 0 varies: the modality's
+        patches when it runs along them (rotary positions, interpolation taps), else its own symbol
+        (offsets, window indices)."""
         call = bind_call(self.model.forward, args, kwargs)
         named: dict[str, dict[int, str]] = {}
         sizes: dict[str, int] = {}  # example size of each known name given so far
@@ -147,9 +149,14 @@ class TransformersAdapter(Adapter):
                 named[label] = {0: PIXEL_ARGUMENTS["pixel_values" if modality == "image" else "pixel_values_videos"] if along else f"{label}_0"}
                 continue
             cached = _in_cache(call, path)  # heads and head size of a cache layer are the config's: static
-            names = {d: f"{label}_{d}" for d in range(tensor.dim()) if not cached or tensor.dim() != 4 or d in (0, 2)}
+            names = {  # a size-1 dim broadcasts (a mask's heads): static unless it counts rows of metadata
+                d: f"{label}_{d}" for d in range(tensor.dim())
+                if (tensor.shape[d] != 1 or (d == 0 and is_metadata(tensor))) and (not cached or tensor.dim() != 4 or d in (0, 2))
+            }
             known = _cache_dims(tensor.dim()) if cached else _known_dims(label, tensor.dim())
             for d, name in known.items():  # a known name only where its sizes agree
+                if tensor.shape[d] == 1 and name not in COUNTS:
+                    continue  # a length of 1 (a decode step's one token) is another program, never a symbol
                 if sizes.setdefault(name, tensor.shape[d]) == tensor.shape[d]:
                     names[d] = name
             if label in PIXEL_ARGUMENTS and tensor.dim() == 2:
@@ -213,6 +220,11 @@ def _in_cache(call: dict[str, Any], path: tuple) -> bool:
 def _cache_dims(rank: int) -> dict[int, str]:
     """A cache layer's keys and values are (batch, heads, past, head dim): the tokens before this call."""
     return {0: "batch", 2: "past"} if rank == 4 else {}
+
+
+# known names that count independent items (sequences, images, videos): 1 in an example is one of
+# many sizes; every other size of 1 (a decode step's one token, a mask's broadcast head dim) is static
+COUNTS = frozenset({"batch", "images", "videos"})
 
 
 def _known_dims(label: str, rank: int) -> dict[int, str]:
