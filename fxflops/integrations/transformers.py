@@ -45,6 +45,7 @@ from fxflops.errors import CaptureError, MetadataError
 
 FEATURE_GETTERS = ("get_image_features", "get_video_features")
 GRIDS = {"image": "image_grid_thw", "video": "video_grid_thw"}  # modality -> its grid argument
+_GRID_NAMES = tuple(GRIDS.values())
 TEXT_ARGUMENTS = ("input_ids", "attention_mask", "labels", "token_type_ids", "mm_token_type_ids", "inputs_embeds")
 PIXEL_ARGUMENTS = {"pixel_values": "patches", "pixel_values_videos": "video_patches"}
 OFFSETS = "cu_seqlens"
@@ -99,7 +100,7 @@ class TransformersAdapter(Adapter):
         """Add the metadata the model would derive with loops (see the module docstring). Metadata
         that cannot be derived (a grid that does not match the image tokens) raises
         :class:`~fxflops.errors.MetadataError` naming the inputs."""
-        if len(args) <= self._grid_after and not any(kwargs.get(g) is not None for g in GRIDS.values()):
+        if len(args) <= self._grid_after and (kwargs.keys().isdisjoint(_GRID_NAMES) or all(kwargs.get(g) is None for g in _GRID_NAMES)):
             return args, kwargs  # text only: nothing to derive (and no binding on this hot path)
         call = bind_call(self.model.forward, args, kwargs)
         extras: dict[str, Any] = {}
