@@ -56,7 +56,7 @@ from fxflops.situation import ModelState, describe_difference, mode_key
 
 ON_MISS = ("recapture", "raise")
 MAX_ATTEMPTS = 3  # captures tried per situation before its calls are refused outright
-RECENT = 4  # situations per call layout recognised by generated tests (CallKeys.check)
+RECENT = 4  # programs per call layout whose situations are recognised by generated tests (CallKeys.check)
 
 
 @dataclass
@@ -172,7 +172,7 @@ class Instrumented(torch.nn.Module):
         # dataset columns that are forward parameters, and finds label names there)
         self.forward = types.MethodType(_with_signature(type(self).forward, self.traced.forward), self)
         self._lock = threading.Lock()
-        self._recent: dict[tuple, tuple] = {}  # call layout -> (check, modes, branch) of recent situations
+        self._recent: dict[tuple, tuple] = {}  # call layout -> (check, modes, program) of recent situations
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
@@ -305,18 +305,22 @@ class Instrumented(torch.nn.Module):
         symbol values; captures a new one when none does (``on_miss``); raises FxFlopsError when
         it cannot."""
         layout, modes = (len(args), tuple(kwargs)), mode_key()
-        for check, traced_modes, branch in self._recent.get(layout, ()):  # situations seen before: tested fast
+        for check, traced_modes, program in self._recent.get(layout, ()):  # situations seen before: tested fast
             if traced_modes == modes and check(args, kwargs):
-                program, found = branch.find(args, kwargs)
-                if program is not None:
-                    return program, found
-                break
+                if program.state is None or program.state.matches():
+                    try:
+                        values = program.binder.values(args, kwargs)
+                    except InputError:
+                        break  # MetadataError is raised
+                    if program.within_guards(*values):
+                        return program, values
+                break  # the general path finds (or captures) this situation's program
         situation = (self._call_keys(args, kwargs), modes)
         branch = self._branches.get(situation)
         if branch is not None:
             program, found = branch.find(args, kwargs)
             if program is not None:
-                self._remember(layout, situation, branch, args, kwargs)
+                self._remember(layout, situation, program, args, kwargs)
                 return program, found
         with self._lock:  # one capture per situation, also when two threads make its first call
             branch = self._branches.setdefault(situation, _Branch())
@@ -340,18 +344,20 @@ class Instrumented(torch.nn.Module):
             program = self._capture(branch, situation, sizes, args, kwargs)
         return program, program.binder.values(args, kwargs)
 
-    def _remember(self, layout: tuple, situation: tuple, branch: _Branch, args: tuple, kwargs: dict) -> None:
-        """Put ``branch`` first among the situations tested fast for calls of ``layout`` (its test
-        generated from this call, once; ``call_keys.py``), the last :data:`RECENT` of them kept."""
+    def _remember(self, layout: tuple, situation: tuple, program: Program, args: tuple, kwargs: dict) -> None:
+        """Put ``program`` (found for this call's situation) first among those tested fast for calls of
+        ``layout``: its situation's test generated from this call (once per situation and program;
+        ``call_keys.py``), the last :data:`RECENT` kept. A program found fast is one the general
+        path would accept too: its situation, model state and guards hold."""
         recent = self._recent.get(layout, ())
-        if recent and recent[0][2] is branch:
+        if recent and recent[0][2] is program:
             return
-        entry = next((e for e in recent if e[2] is branch), None)
+        entry = next((e for e in recent if e[2] is program), None)
         if entry is None:
             check = self._call_keys.check(args, kwargs)
             if check is None:
                 return
-            entry = (check, situation[1], branch)
+            entry = (check, situation[1], program)
         self._recent[layout] = (entry, *[e for e in recent if e is not entry][: RECENT - 1])
 
     def _nearest_difference(self, situation: tuple) -> str:
