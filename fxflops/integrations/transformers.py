@@ -91,6 +91,8 @@ class TransformersAdapter(Adapter):
         self.encoder = _vision_encoder(model)
         self.rope = _rope_owner(model)
         self.derived: set[str] = set()  # the keyword arguments prepare() adds
+        self._signature = inspect.signature(model.forward)  # kept: prepare() binds calls on the hot path
+        self._rope_parameters = _parameters(self.rope.get_rope_index) if self.rope is not None else set()
         positional = list(_parameters(model.forward, ordered=True))
         # a call reaching a grid only past this many positional arguments: a quick "no media" test
         self._grid_after = min((positional.index(g) for g in GRIDS.values() if g in positional), default=len(positional))
@@ -102,7 +104,7 @@ class TransformersAdapter(Adapter):
         :class:`~fxflops.errors.MetadataError` naming the inputs."""
         if len(args) <= self._grid_after and (kwargs.keys().isdisjoint(_GRID_NAMES) or all(kwargs.get(g) is None for g in _GRID_NAMES)):
             return args, kwargs  # text only: nothing to derive (and no binding on this hot path)
-        call = bind_call(self.model.forward, args, kwargs)
+        call = bind_call(self.model.forward, args, kwargs, self._signature)
         extras: dict[str, Any] = {}
         for modality, grid_name in GRIDS.items():
             grid = call.get(grid_name)
@@ -123,8 +125,7 @@ class TransformersAdapter(Adapter):
                 if key != "grid_thw" and value is not None and f"{modality}_{key}" not in call:
                     extras[f"{modality}_{key}"] = value
         if self.rope is not None and call.get("position_ids") is None and any(call.get(g) is not None for g in GRIDS.values()):
-            wanted = _parameters(self.rope.get_rope_index)
-            given = {k: v for k, v in call.items() if k in wanted and v is not None}
+            given = {k: v for k, v in call.items() if k in self._rope_parameters and v is not None}
             with _naming(f"{type(self.rope).__name__}.get_rope_index", sorted(given)):
                 extras["position_ids"], _ = self.rope.get_rope_index(**given)
         self.derived.update(extras)
