@@ -11,9 +11,8 @@ from typing import Any
 import torch
 
 from fxflops import conventions, ops, rules
-from fxflops.capture.adapters import adapter_for
-from fxflops.capture.compile import CountingBackend
 from fxflops.capture.trace import capture as _capture
+from fxflops.compile import CountingBackend
 from fxflops.errors import (
     CaptureError,
     FxFlopsError,
@@ -23,6 +22,7 @@ from fxflops.errors import (
     PinnedSymbolError,
     UnboundSymbolError,
 )
+from fxflops.families import adapter_for
 from fxflops.instrument import Instrumented, instrument
 from fxflops.meter import Meter
 from fxflops.conventions import Convention
@@ -93,7 +93,7 @@ def backend(
 ) -> CountingBackend:
     """A ``torch.compile`` backend counting every compiled graph's FLOPs into ``.flops`` (a Meter),
     wrapping the registered backend ``inner`` whose output it leaves unchanged; see
-    :mod:`fxflops.capture.compile`. Give the compiled ``model`` so that graphs compiled from a
+    :mod:`fxflops.compile`. Give the compiled ``model`` so that graphs compiled from a
     submodule's frame (after a graph break) are attributed to that submodule's path."""
     return CountingBackend(inner, backward, strict, model)
 

@@ -44,11 +44,11 @@ import torch
 import torch.utils._pytree as pytree
 
 from fxflops.call_keys import CallKeys
-from fxflops.capture.adapters import adapter_for
 from fxflops.capture.engines import not_a_microbatch, traced_module
 from fxflops.capture.trace import capture
-from fxflops.generation import counting_own_calls, generated_tokens
 from fxflops.errors import CaptureError, FxFlopsError, GuardError, InputError, MetadataError
+from fxflops.families import adapter_for
+from fxflops.generation import counting_own_calls, generated_tokens
 from fxflops.meter import Meter
 from fxflops.program import Program, backward_rule
 from fxflops.routing import RoutingProbes
@@ -284,7 +284,7 @@ class Instrumented(torch.nn.Module):
         self._warn_once(message)
 
     def _prepare(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        """The call with the metadata the model family derives added (``capture/adapters.py``): the
+        """The call with the metadata the model family derives added (``capture/adapters.py``, chosen by ``families.py``): the
         model runs it (and skips deriving it), the program binds it. A failure leaves the call as is
         (the model's own code will raise it again, or the count fails open)."""
         try:

@@ -136,7 +136,8 @@ def test_a_new_call_layout_is_recaptured_or_refused():
 
 
 def test_plain_models_get_no_adapter():
-    from fxflops.capture.adapters import Adapter, adapter_for
+    from fxflops.capture.adapters import Adapter
+    from fxflops.families import adapter_for
     from fxflops.models.tiny_gpt import GPTConfig, TinyGPT
 
     assert type(adapter_for(TinyGPT(GPTConfig()))) is Adapter

@@ -13,15 +13,12 @@ windows that way) gets an adapter that
 - ``same_layer_attributes``: attributes that differ between a stack's layers without changing what
   they compute, so identical layers are still traced once (``capture/reuse.py``).
 
-:func:`adapter_for` picks it by the model's type; the family's module is imported only when the model
-is an instance of it.
+``fxflops/families.py`` picks it by the model's type (the capture only receives it).
 """
 
 from __future__ import annotations
 
 import contextlib
-import sys
-from typing import Any
 
 
 class Adapter:
@@ -41,13 +38,3 @@ class Adapter:
     def capturing(self) -> contextlib.AbstractContextManager:
         """A context held while capturing."""
         return contextlib.nullcontext()
-
-
-def adapter_for(model: Any) -> Adapter:
-    """The adapter for ``model``'s family (a Hugging Face ``PreTrainedModel``), else the identity."""
-    transformers = sys.modules.get("transformers")
-    if transformers is not None and isinstance(model, transformers.PreTrainedModel):
-        from fxflops.integrations.transformers import TransformersAdapter
-
-        return TransformersAdapter(model)
-    return Adapter()

@@ -47,10 +47,12 @@ from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
 from torch.fx.experimental.symbolic_shapes import DimDynamic
 
+from fxflops.capture.graph import TENSOR, trace_graph
 from fxflops.capture.phases import own_phases
 from fxflops.capture.reuse import layer_attributes, layer_state
 from fxflops.capture.scope import capturing
 from fxflops.capture.segments import op_name
+from fxflops.capture.shape_env import BlamingShapeEnv
 from fxflops.errors import CaptureError
 
 SEGMENT = sympy.Symbol("s", integer=True, positive=True)
@@ -194,9 +196,6 @@ def trace_segment(
 
     Returns the trace and, per tensor output, its (shape in ``s``, dtype).
     """
-    from fxflops.capture.shape_env import BlamingShapeEnv
-    from fxflops.capture.trace import TENSOR, trace_graph
-
     packed = next(v for v in pytree.tree_leaves((bound.args, bound.kwargs)) if isinstance(v, torch.Tensor))
     rows = packed.shape[0]
     env = BlamingShapeEnv()
@@ -303,8 +302,6 @@ def _stand_in(
     module: torch.nn.Module, path: str, offsets_name: str, lifted: dict, cache: dict, backward: bool, ignored: frozenset[str],
     calls: Iterator[int],
 ) -> Any:
-    from fxflops.capture.trace import TENSOR
-
     original = type(module).forward.__get__(module)
     signature = inspect.signature(original)
     tracing_segment = [False]

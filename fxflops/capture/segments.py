@@ -133,16 +133,6 @@ class SegmentLengths:
         self.family.covered.add(sympy.sympify(total))
 
 
-def pair_sum(a: SegmentLengths, b: SegmentLengths) -> sympy.Expr:
-    """Σᵢ a_i·b_i for query and key offsets: p₂ when both are the same family (self-attention)."""
-    if a.family is not b.family:
-        raise ValueError(
-            f"query offsets ({a.family.describe()}) and key offsets ({b.family.describe()}) are "
-            "different families; fxflops counts varlen attention whose query and key segments coincide"
-        )
-    return a.power_sum(2)
-
-
 _ELEMENTWISE = {
     "mul": operator.mul,
     "add": operator.add,

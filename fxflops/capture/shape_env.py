@@ -16,12 +16,9 @@ import types
 import torch
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-import fxflops
-
-_SKIPPED_DIRS = tuple(
-    os.path.dirname(os.path.abspath(pkg.__file__)) + os.sep for pkg in (torch, fxflops)
-)
-_MODEL_DIR = os.path.join(os.path.dirname(os.path.abspath(fxflops.__file__)), "models") + os.sep
+_FXFLOPS_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # fxflops/capture/.. (not the package: a cycle)
+_SKIPPED_DIRS = (os.path.dirname(os.path.abspath(torch.__file__)) + os.sep, _FXFLOPS_DIR + os.sep)
+_MODEL_DIR = os.path.join(_FXFLOPS_DIR, "models") + os.sep
 
 
 def is_library_file(filename: str) -> bool:

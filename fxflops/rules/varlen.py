@@ -12,10 +12,24 @@ sum, which it reads with a host sync from ``cum_seq.tolist()``).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import sympy
 
-from fxflops.capture.segments import SegmentLengths, pair_sum
 from fxflops.rules.registry import register
+
+if TYPE_CHECKING:  # what the analysis passes for an offsets argument (fxflops/capture/segments.py)
+    from fxflops.capture.segments import SegmentLengths
+
+
+def pair_sum(a: SegmentLengths, b: SegmentLengths) -> sympy.Expr:
+    """Σᵢ a_i·b_i for query and key offsets: p₂ when both are the same family (self-attention)."""
+    if a.family is not b.family:
+        raise ValueError(
+            f"query offsets ({a.family.describe()}) and key offsets ({b.family.describe()}) are "
+            "different families; fxflops counts varlen attention whose query and key segments coincide"
+        )
+    return a.power_sum(2)
 
 
 def varlen_forward_flops(query, key, value, cu_q: SegmentLengths, cu_k: SegmentLengths | None):

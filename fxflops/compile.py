@@ -38,12 +38,14 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import DimDynamic
 
 from fxflops.binder import python_source
+from fxflops.capture.graph import no_stack_traces
 from fxflops.capture.phases import run_backward, tagging_recompute
 from fxflops.capture.scope import capture_scope
 from fxflops.capture.shape_env import BlamingShapeEnv, format_location
-from fxflops.capture.trace import Captured, Guard, _no_stack_traces, named_symbol
+from fxflops.capture.trace import Captured, Guard, named_symbol
 from fxflops.errors import CaptureError, FxFlopsError
 from fxflops.meter import Meter
+from fxflops.program import Program, module_path
 
 _SIZE_SOURCE = re.compile(r"^L\['(\w+)'\]\.size\(\)\[(\d+)\]$")
 
@@ -126,7 +128,7 @@ def capture_graph(gm: torch.fx.GraphModule, example_inputs: list[Any], backward:
     try:
         # outside Dynamo's tracing context, whose fake mode make_fx would otherwise adopt
         with capture_scope(), torch._guards.tracing(None), unset_fake_temporarily(), fx_config.patch(backed_size_oblivious=True), \
-                _no_stack_traces(), tagging_recompute(), mode:
+                no_stack_traces(), tagging_recompute(), mode:
             traced = make_fx(run, tracing_mode="symbolic", _allow_non_fake_inputs=True)(*inputs)
     except Exception as exc:
         raise CaptureError(f"could not re-trace a compiled graph: {type(exc).__name__}: {str(exc).splitlines()[0]}") from exc
@@ -174,8 +176,6 @@ class CountingBackend:
         self._warned: set[str] = set()
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
-        from fxflops.program import Program
-
         compiled = self.inner(gm, example_inputs)
         self.graphs += 1
         try:
@@ -195,8 +195,6 @@ class CountingBackend:
         parameter's owner in ``model`` gives the path the graph's frame ran at. A graph compiled from a
         submodule's frame (after a graph break) names modules relative to that submodule, and Dynamo
         reuses it for every instance of the submodule."""
-        from fxflops.program import module_path
-
         if self.model is None:
             return None
         if self._owner is None:
