@@ -6,6 +6,7 @@ Public API: :func:`trace` (model -> :class:`Program`), :func:`instrument` (a cou
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -27,6 +28,7 @@ from fxflops.instrument import Instrumented, instrument
 from fxflops.meter import Meter
 from fxflops.conventions import Convention
 from fxflops.program import Program, Term, Unsupported, backward_rule
+from fxflops.rules import overlaid as _overlaid
 from fxflops.situation import mode_key
 from fxflops.verify import Verdict, verify
 
@@ -41,6 +43,7 @@ def trace(
     per_segment: dict[str, str] | None = None,
     strict_metadata: bool = False,
     backward: bool | str = False,
+    rules: Mapping[Any, Any] | None = None,
 ) -> Program:
     """Trace ``model(*args, **kwargs)`` once with symbolic sizes and return its FLOPs :class:`Program`.
 
@@ -67,6 +70,10 @@ def trace(
     frozen parameters and inputs without grad change the backward exactly as autograd does.
     ``backward="2x"`` adds twice each forward term instead (the rule formula-based tools use).
 
+    ``rules`` adds FLOPs rules for this trace only, ``{op: rule}`` (a function as for
+    :func:`fxflops.rules.register`, or a :class:`fxflops.rules.Entry` for segments, causal or kind),
+    over the registry, which stays as it is.
+
     A Hugging Face ``transformers`` model is captured through its adapter
     (:mod:`fxflops.integrations.transformers`): metadata its forward would derive with loops is derived
     from the batch, its vision attention is lifted per segment, and its dims get readable names.
@@ -78,7 +85,8 @@ def trace(
     args, kwargs = adapter.prepare(args, kwargs or {})
     modes = mode_key()
     captured = _capture(model, args, kwargs, dims, per_segment=per_segment, backward=rule == "traced", adapter=adapter)
-    program = Program.from_capture(captured, model, segments, strict_metadata, rule)
+    with _overlaid(rules):
+        program = Program.from_capture(captured, model, segments, strict_metadata, rule)
     program.prepare = adapter.prepare
     program.situation = (program.call_keys(args, kwargs), modes)
     return program

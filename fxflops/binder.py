@@ -48,9 +48,12 @@ def python_source(expr: sympy.Expr, names: dict[sympy.Symbol, str]) -> str:
 def generated(source: str, name: str, **names: Any) -> dict[str, Any]:
     """Run our own generated ``source`` (defining functions) in the scope torch evaluates its printed
     guards in (``ShapeEnv.evaluate_guards_expression``: ``math``, ``torch``, ...) plus ``names``;
-    returns that scope."""
+    returns that scope. Each function it defines keeps ``source`` (snapshot tests, debugging)."""
     scope = {**SYMPY_INTERP, **names}
     exec(compile(source, f"<fxflops {name}>", "exec"), scope)  # noqa: S102 - our own generated code
+    for value in list(scope.values()):  # each function keeps the source it was generated from
+        if getattr(getattr(value, "__code__", None), "co_filename", None) == f"<fxflops {name}>":
+            value.source = source
     return scope
 
 
@@ -87,11 +90,19 @@ class Binder:
 
     def values(self, args: tuple, kwargs: dict) -> tuple[int, ...]:
         """The free symbols' values for this call, in ``self.symbols`` order; InputError if off-trace."""
+        read = self._by_layout.get((len(args), tuple(kwargs)))  # the hot path: one dict lookup
+        return (read or self._reader(args, kwargs))(args, kwargs)
+
+    def source(self, args: tuple, kwargs: dict) -> str:
+        """The generated reader of calls laid out like this one, as Python source."""
+        return self._reader(args, kwargs).source
+
+    def _reader(self, args: tuple, kwargs: dict) -> Callable[[tuple, dict], tuple[int, ...]]:
         layout = (len(args), tuple(kwargs))
         read = self._by_layout.get(layout)
         if read is None:
             read = self._by_layout[layout] = self._compile(args, kwargs)
-        return read(args, kwargs)
+        return read
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
@@ -113,6 +124,7 @@ class Binder:
             by_family.setdefault(family.name, []).append((sym, k))
             families[family.name] = family
         for f, (name, wanted) in enumerate(sorted(by_family.items())):
+            wanted = sorted(wanted, key=lambda item: item[1])  # by power: the same code in every process
             family = families[name]
             source = family.source
             if source[0] not in positions:

@@ -36,7 +36,7 @@ import threading
 import time
 import types
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,6 +52,7 @@ from fxflops.generation import counting_own_calls, generated_tokens
 from fxflops.meter import Meter
 from fxflops.program import Program, backward_rule
 from fxflops.routing import RoutingProbes
+from fxflops.rules import overlaid
 from fxflops.situation import ModelState, describe_difference, mode_key
 
 ON_MISS = ("recapture", "raise")
@@ -135,6 +136,7 @@ class Instrumented(torch.nn.Module):
         max_programs: int,
         meter: Meter | None,
         measure_routing: bool = False,
+        rules: Mapping[Any, Any] | None = None,
     ) -> None:
         if on_miss not in ON_MISS:
             raise ValueError(f"on_miss must be one of {ON_MISS}, not {on_miss!r}")
@@ -157,7 +159,8 @@ class Instrumented(torch.nn.Module):
         self.max_programs = max_programs
         self.adapter = adapter_for(self.traced)
         self._call_keys = CallKeys(self.traced.forward)
-        self.routing = RoutingProbes(self.traced) if measure_routing else None
+        self.rules = dict(rules) if rules else None  # per-use FLOPs rules (rules.overlaid), for every capture
+        self.routing = RoutingProbes(self.traced, self.rules) if measure_routing else None
         self.programs: list[Program] = []
         self.flops = meter if meter is not None else Meter()
         self.captures = 0
@@ -383,7 +386,8 @@ class Instrumented(torch.nn.Module):
                 adapter=self.adapter,
             )
             rule = self.backward if backward or self.backward != "traced" else "none"
-            program = Program.from_capture(captured, self.traced, self.segments, self.strict_metadata, rule)
+            with overlaid(self.rules):
+                program = Program.from_capture(captured, self.traced, self.segments, self.strict_metadata, rule)
         except Exception as exc:
             reason = str(exc) if isinstance(exc, FxFlopsError) else f"capture failed: {type(exc).__name__}: {exc}"
             branch.refusals.append(_Refusal(sizes, self._refused_state(exc), reason))
@@ -457,6 +461,7 @@ def instrument(
     max_programs: int = 16,
     meter: Meter | None = None,
     measure_routing: bool = False,
+    rules: Mapping[Any, Any] | None = None,
 ) -> Instrumented:
     """Wrap ``model`` so every call adds its FLOPs to ``wrapper.flops`` (see module docstring).
 
@@ -476,8 +481,10 @@ def instrument(
     convention reports; without it only ``moe="model"`` (top_k × tokens) is available.
 
     ``max_programs`` bounds the programs (situations and guard branches) captured per wrapper.
+    ``rules`` as for :func:`fxflops.trace`: per-use FLOPs rules, for every capture of this wrapper (and
+    its routing measurements), the global registry untouched.
     """
     return Instrumented(
         model, dims, segments, per_segment, strict_metadata, backward, on_miss, strict, max_programs, meter,
-        measure_routing,
+        measure_routing, rules,
     )

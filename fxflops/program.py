@@ -705,6 +705,11 @@ class Program:
         self.monomials: Callable[..., tuple[int, ...]] = scope["monomials"]
         self.within_guards: Callable[..., bool] = scope["within_guards"]
 
+    def source(self) -> str:
+        """The generated ``monomials`` and ``within_guards`` as Python source (the binder's reader:
+        ``program.binder.source(args, kwargs)``)."""
+        return self.monomials.source
+
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
         for generated_code in ("monomials", "within_guards"):

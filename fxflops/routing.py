@@ -19,14 +19,14 @@ Only the expert modules run under the mode; the rest of the model is untouched.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fxflops.capture.scope import capturing
-from fxflops.rules import entry_for
+from fxflops.rules import entry_for, overlaid
 from fxflops.rules.registry import shape_of
 
 
@@ -50,17 +50,22 @@ class MatmulMeasure(TorchDispatchMode):
     run and raise as they would; a failure of the accounting itself never reaches the model: it is
     kept in ``error`` and the measurement is void."""
 
-    def __init__(self) -> None:
+    def __init__(self, rules: Mapping[Any, Any] | None = None) -> None:
         super().__init__()
         self.flops: Any = 0
         self.error: Exception | None = None
+        self.rules = rules  # the per-use rules of the program (rules.overlaid)
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         if self.error is None:
             try:
-                self.flops = self.flops + dispatched_flops(func, args, kwargs, out)
+                if self.rules:
+                    with overlaid(self.rules):
+                        self.flops = self.flops + dispatched_flops(func, args, kwargs, out)
+                else:
+                    self.flops = self.flops + dispatched_flops(func, args, kwargs, out)
             except Exception as exc:  # noqa: BLE001 - telemetry never breaks the model's forward
                 self.error = exc
         return out
@@ -79,7 +84,7 @@ class MeasuredForward:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if capturing():  # a capture traces the module's own forward
             return self.forward(*args, **kwargs)
-        with MatmulMeasure() as measure:
+        with MatmulMeasure(self.probes.rules) as measure:
             out = self.forward(*args, **kwargs)
         if measure.error is None:
             measured = self.probes.measured
@@ -94,8 +99,9 @@ class RoutingProbes:
     returns and clears ``{module path: forward FLOPs}`` since the last take; ``errors`` lists
     measurements that failed (their calls count as not measured)."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, rules: Mapping[Any, Any] | None = None) -> None:
         self.model = model
+        self.rules = rules  # per-use rules (instrument(rules=...)), applied to the measurements too
         self.paths: set[str] = set()
         self.measured: dict[str, Any] = {}
         self.errors: list[str] = []

@@ -309,17 +309,19 @@ def test_custom_op_is_unsupported_until_a_rule_is_registered():
         before = fxflops.trace(model, (x,), dims={"x": {0: "rows"}})
     assert [u.op for u in before.unsupported] == ["fxflops_test.scaled_matmul.default"]
 
-    @fxflops.rules.register(torch.ops.fxflops_test.scaled_matmul)
     def scaled_matmul_flops(a, b, scale, out_shape=None):
         """(m,k)@(k,n) then a scale: 2·m·k·n (the scale is elementwise, not counted)."""
         return 2 * a[0] * a[1] * b[1]
 
-    try:
-        after = fxflops.trace(model, (x,), dims={"x": {0: "rows"}})
-        assert not after.unsupported
-        assert after.total(rows=30) == 2 * 30 * 12 * 20
-    finally:
-        fxflops.rules.unregister(torch.ops.fxflops_test.scaled_matmul)
+    rules = {torch.ops.fxflops_test.scaled_matmul: scaled_matmul_flops}
+    after = fxflops.trace(model, (x,), dims={"x": {0: "rows"}}, rules=rules)  # this trace only
+    assert not after.unsupported
+    assert after.total(rows=30) == 2 * 30 * 12 * 20
+    assert fxflops.rules.rule_for(torch.ops.fxflops_test.scaled_matmul) is None  # the registry untouched
+    wrapper = fxflops.instrument(model, dims={"x": {0: "rows"}}, rules=rules, strict=True)
+    for rows in (3, 9):  # every capture of the wrapper uses them
+        wrapper(torch.randn(rows, 12))
+    assert wrapper.flops.total() == 2 * (3 + 9) * 12 * 20 and not wrapper.program.unsupported
 
 
 def test_elementwise_work_on_data_dependent_sizes_is_noted_not_counted():
@@ -461,3 +463,48 @@ def test_a_non_leaf_input_that_requires_grad_is_traced_as_a_non_leaf():
         assert wrapper.flops.total() == flop_counter_call(model, (expected_leaf.clone(),), {}, backward=True)
         assert torch.allclose(leaf.grad, 2 * model.fc.weight.sum(0).expand(rows, 8))
     assert wrapper.captures == 1
+
+
+def test_registering_a_rule_for_an_op_that_has_one_is_refused_unless_replacing():
+    from fxflops.rules.matmul import mm as mm_flops
+
+    def other(a, b, out_shape=None):
+        return 0
+
+    with pytest.raises(ValueError, match="already has the FLOPs rule fxflops.rules.matmul.mm; pass replace=True"):
+        fxflops.rules.register(torch.ops.aten.mm)(other)
+    assert fxflops.rules.rule_for(torch.ops.aten.mm) is mm_flops  # unchanged
+    fxflops.rules.register(torch.ops.aten.mm)(mm_flops)  # the same entry again: a no-op
+    fxflops.rules.register(torch.ops.aten.mm, replace=True)(other)
+    try:
+        assert fxflops.rules.rule_for(torch.ops.aten.mm) is other
+    finally:
+        fxflops.rules.register(torch.ops.aten.mm, replace=True)(mm_flops)
+
+
+def test_per_use_rules_override_a_built_in_rule_in_this_thread_only():
+    """``rules=`` overrides ``aten.mm`` for one trace (here: counted as 1 FLOP per output element);
+    a trace in another thread meanwhile sees the registry's rule."""
+    import threading
+
+    model, x = nn.Linear(12, 20, bias=False), torch.randn(7, 12)
+    seen = {}
+    inside = threading.Event()
+    resume = threading.Event()
+
+    def one_per_output(*args, out_shape=None, **kwargs):
+        inside.set()
+        resume.wait(30)
+        return out_shape[0] * out_shape[1]
+
+    def other_thread():
+        inside.wait(30)
+        seen["other"] = fxflops.trace(model, (x,), dims={"input": {0: "rows"}}).total(rows=7)
+        resume.set()
+
+    worker = threading.Thread(target=other_thread)
+    worker.start()
+    custom = fxflops.trace(model, (x,), dims={"input": {0: "rows"}}, rules={torch.ops.aten.mm: one_per_output})
+    worker.join(60)
+    assert custom.total(rows=7) == 7 * 20
+    assert seen["other"] == 2 * 7 * 12 * 20 == fxflops.trace(model, (x,), dims={"input": {0: "rows"}}).total(rows=7)

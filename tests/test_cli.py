@@ -143,16 +143,19 @@ def test_report_of_a_vlm_config_with_images_equals_the_factory_route(tmp_path):
     assert planned["modules"] == factory["modules"] and planned["total"] == factory["total"] > 0
 
 
-def test_image_sizes_the_processor_would_not_produce_are_usage_errors(tmp_path):
+def test_image_sizes_the_processor_would_not_produce_are_usage_errors(tmp_path, capsys):
+    """Exit code 2 and the reason, before anything is traced (in-process: no trace runs)."""
+    from fxflops.cli import main
     from fxflops.models import hf_zoo
 
     hf_zoo.build("llava_clip", "eager").config.save_pretrained(tmp_path / "llava")
-    resized = fxflops("report", str(tmp_path / "llava"), "--image", "30x32")
-    assert resized.returncode == 2 and "resizes every image to 32x32" in resized.stderr
-    malformed = fxflops("report", str(tmp_path / "llava"), "--image", "32")
-    assert malformed.returncode == 2 and "WIDTHxHEIGHT" in malformed.stderr
-    factory = fxflops("report", GPT, "--image", "32x32")
-    assert factory.returncode == 2 and "config.json" in factory.stderr
+    for argv, reason in (
+        (["report", str(tmp_path / "llava"), "--image", "30x32"], "resizes every image to 32x32"),
+        (["report", str(tmp_path / "llava"), "--image", "32"], "WIDTHxHEIGHT"),
+        (["report", GPT, "--image", "32x32"], "config.json"),
+    ):
+        assert main(argv) == 2, argv
+        assert reason in capsys.readouterr().err, argv
 
 
 def test_processor_free_layouts_follow_the_config():

@@ -7,6 +7,7 @@ from fxflops.rules import attention, conv, elementwise, matmul, varlen  # noqa: 
 from fxflops.rules.registry import (
     Entry,
     entry_for,
+    overlaid,
     register,
     registered_ops,
     rule_for,
@@ -15,4 +16,4 @@ from fxflops.rules.registry import (
     unregister,
 )
 
-__all__ = ["Entry", "entry_for", "register", "registered_ops", "rule_for", "segment_args", "shape_of", "unregister"]
+__all__ = ["Entry", "entry_for", "overlaid", "register", "registered_ops", "rule_for", "segment_args", "shape_of", "unregister"]

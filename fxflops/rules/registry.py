@@ -18,7 +18,9 @@ a symbolic one (sympy expressions in the traced size symbols). Convention: one m
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import threading
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,6 +72,7 @@ def register(
     causal: Rule | None = None,
     kind: str = "matmul",
     recomputed: Rule | None = None,
+    replace: bool = False,
 ) -> Callable[[Rule], Rule]:
     """Decorator registering ``rule`` for every op in ``ops``.
 
@@ -77,18 +80,63 @@ def register(
     the rule then covers every overload of that packet), a ``"namespace::name"`` string (for an op of
     a package that may not be imported yet, e.g. ``"flash_attn::_flash_attn_varlen_forward"``) or
     any other callable target that appears in an FX graph (a higher-order op such as
-    ``flex_attention``). ``segments``, ``causal``, ``kind`` and ``recomputed``: see :class:`Entry`. Registering again
-    replaces the rule, which is how users override a built-in rule or add one for their own custom op.
+    ``flex_attention``). ``segments``, ``causal``, ``kind`` and ``recomputed``: see :class:`Entry`.
+    An op that has another rule already is refused (``ValueError``: an accidental second
+    registration) unless ``replace=True``, which is how users override a built-in rule; registering
+    the same entry again is a no-op. For one trace only, pass ``rules=`` to ``fxflops.trace`` /
+    ``instrument`` instead (:func:`overlaid`).
     """
-    if kind not in KINDS:
-        raise ValueError(f"kind must be one of {KINDS}, not {kind!r}")
+    _check_kind(kind)
 
     def decorator(rule: Rule) -> Rule:
+        entry = Entry(rule, tuple(segments), causal, kind, recomputed)
         for op in ops:
-            _ENTRIES[_key(op)] = Entry(rule, tuple(segments), causal, kind, recomputed)
+            existing = _ENTRIES.get(_key(op))
+            if existing is not None and existing != entry and not replace:
+                raise ValueError(
+                    f"{op} already has the FLOPs rule {_rule_name(existing.rule)}; pass replace=True to "
+                    "override it, or rules={op: rule} to fxflops.trace/instrument for one trace"
+                )
+        for op in ops:
+            _ENTRIES[_key(op)] = entry
         return rule
 
     return decorator
+
+
+def _check_kind(kind: str) -> None:
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {KINDS}, not {kind!r}")
+
+
+def _rule_name(rule: Rule) -> str:
+    return f"{getattr(rule, '__module__', '?')}.{getattr(rule, '__qualname__', repr(rule))}"
+
+
+_OVERLAY = threading.local()  # this thread's per-use rules (overlaid), while a trace is analysed
+
+
+@contextlib.contextmanager
+def overlaid(rules: Mapping[Any, Rule | Entry] | None) -> Iterator[None]:
+    """For the block, in this thread only: ``rules`` (op -> a rule function, kind ``"matmul"``, or an
+    :class:`Entry`) take precedence over the registry, which stays as it is (another thread's
+    traces never see them). Ops are given as for :func:`register`."""
+    if not rules:
+        yield
+        return
+    entries = {}
+    for op, rule in rules.items():
+        entry = rule if isinstance(rule, Entry) else Entry(rule)
+        _check_kind(entry.kind)
+        if not callable(entry.rule):
+            raise TypeError(f"the rule given for {op} is not callable: {entry.rule!r}")
+        entries[_key(op)] = entry
+    outer = getattr(_OVERLAY, "entries", None)
+    _OVERLAY.entries = {**(outer or {}), **entries}
+    try:
+        yield
+    finally:
+        _OVERLAY.entries = outer
 
 
 def unregister(*ops: Any) -> None:
@@ -98,9 +146,15 @@ def unregister(*ops: Any) -> None:
 
 
 def entry_for(op: Any) -> Entry | None:
-    """The entry registered for ``op`` (its overload packet, or its ``namespace::name``), or ``None``."""
-    found = _ENTRIES.get(_key(op))
-    return found if found is not None else _ENTRIES.get(_name_key(op))
+    """The entry for ``op`` (its overload packet, or its ``namespace::name``): this thread's
+    :func:`overlaid` rules first, then the registry; or ``None``."""
+    for entries in (getattr(_OVERLAY, "entries", None) or {}, _ENTRIES):
+        found = entries.get(_key(op))
+        if found is None:
+            found = entries.get(_name_key(op))
+        if found is not None:
+            return found
+    return None
 
 
 def rule_for(op: Any) -> Rule | None:
