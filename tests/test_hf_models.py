@@ -21,7 +21,7 @@ from reference import MODEL_FLOPS, assert_training_call_matches, flop_counter_mo
 
 pytest.importorskip("transformers")
 
-BATCHES = 4  # per family (sdpa) in the default suite; the long suite runs LONG_BATCHES, eager and sdpa
+BATCHES = 3  # per family (sdpa) in the default suite; the long suite runs LONG_BATCHES, eager and sdpa
 LONG_BATCHES = 30
 
 
