@@ -84,8 +84,8 @@ def trace(
     adapter = adapter_for(model)
     args, kwargs = adapter.prepare(args, kwargs or {})
     modes = mode_key()
-    captured = _capture(model, args, kwargs, dims, per_segment=per_segment, backward=rule == "traced", adapter=adapter)
-    with _overlaid(rules):
+    with _overlaid(rules):  # checks the rules before the capture; the analysis uses them
+        captured = _capture(model, args, kwargs, dims, per_segment=per_segment, backward=rule == "traced", adapter=adapter)
         program = Program.from_capture(captured, model, segments, strict_metadata, rule)
     program.prepare = adapter.prepare
     program.situation = (program.call_keys(args, kwargs), modes)

@@ -52,7 +52,7 @@ from fxflops.generation import counting_own_calls, generated_tokens
 from fxflops.meter import Meter
 from fxflops.program import Program, backward_rule
 from fxflops.routing import RoutingProbes
-from fxflops.rules import overlaid
+from fxflops.rules import overlaid, per_use_entries
 from fxflops.situation import ModelState, describe_difference, mode_key
 
 ON_MISS = ("recapture", "raise")
@@ -159,7 +159,7 @@ class Instrumented(torch.nn.Module):
         self.max_programs = max_programs
         self.adapter = adapter_for(self.traced)
         self._call_keys = CallKeys(self.traced.forward)
-        self.rules = dict(rules) if rules else None  # per-use FLOPs rules (rules.overlaid), for every capture
+        self.rules = per_use_entries(rules) if rules else None  # per-use FLOPs rules (rules.overlaid): checked now
         self.routing = RoutingProbes(self.traced, self.rules) if measure_routing else None
         self.programs: list[Program] = []
         self.flops = meter if meter is not None else Meter()

@@ -322,6 +322,10 @@ def test_custom_op_is_unsupported_until_a_rule_is_registered():
     for rows in (3, 9):  # every capture of the wrapper uses them
         wrapper(torch.randn(rows, 12))
     assert wrapper.flops.total() == 2 * (3 + 9) * 12 * 20 and not wrapper.program.unsupported
+    with pytest.raises(TypeError, match="not callable"):  # a wrong rule is the user's error, raised at once
+        fxflops.instrument(model, rules={torch.ops.fxflops_test.scaled_matmul: 3})
+    with pytest.raises(ValueError, match="kind"):
+        fxflops.trace(model, (x,), rules={torch.ops.fxflops_test.scaled_matmul: fxflops.rules.Entry(scaled_matmul_flops, kind="pointwise")})
 
 
 def test_elementwise_work_on_data_dependent_sizes_is_noted_not_counted():

@@ -8,6 +8,7 @@ from fxflops.rules.registry import (
     Entry,
     entry_for,
     overlaid,
+    per_use_entries,
     register,
     registered_ops,
     rule_for,
@@ -16,4 +17,4 @@ from fxflops.rules.registry import (
     unregister,
 )
 
-__all__ = ["Entry", "entry_for", "overlaid", "register", "registered_ops", "rule_for", "segment_args", "shape_of", "unregister"]
+__all__ = ["Entry", "entry_for", "overlaid", "per_use_entries", "register", "registered_ops", "rule_for", "segment_args", "shape_of", "unregister"]

@@ -116,6 +116,19 @@ def _rule_name(rule: Rule) -> str:
 _OVERLAY = threading.local()  # this thread's per-use rules (overlaid), while a trace is analysed
 
 
+def per_use_entries(rules: Mapping[Any, Rule | Entry]) -> dict[Any, Entry]:
+    """``rules`` (op -> a rule function or an :class:`Entry`) as registry entries by op key;
+    ``TypeError``/``ValueError`` for a rule that is not callable or of an unknown kind."""
+    entries = {}
+    for op, rule in rules.items():
+        entry = rule if isinstance(rule, Entry) else Entry(rule)
+        _check_kind(entry.kind)
+        if not callable(entry.rule):
+            raise TypeError(f"the rule given for {op} is not callable: {entry.rule!r}")
+        entries[_key(op)] = entry
+    return entries
+
+
 @contextlib.contextmanager
 def overlaid(rules: Mapping[Any, Rule | Entry] | None) -> Iterator[None]:
     """For the block, in this thread only: ``rules`` (op -> a rule function, kind ``"matmul"``, or an
@@ -124,13 +137,7 @@ def overlaid(rules: Mapping[Any, Rule | Entry] | None) -> Iterator[None]:
     if not rules:
         yield
         return
-    entries = {}
-    for op, rule in rules.items():
-        entry = rule if isinstance(rule, Entry) else Entry(rule)
-        _check_kind(entry.kind)
-        if not callable(entry.rule):
-            raise TypeError(f"the rule given for {op} is not callable: {entry.rule!r}")
-        entries[_key(op)] = entry
+    entries = per_use_entries(rules)
     outer = getattr(_OVERLAY, "entries", None)
     _OVERLAY.entries = {**(outer or {}), **entries}
     try:
