@@ -309,15 +309,14 @@ class Instrumented(torch.nn.Module):
         it cannot."""
         layout, modes = (len(args), tuple(kwargs)), mode_key()
         for check, traced_modes, program in self._recent.get(layout, ()):  # situations seen before: tested fast
-            if traced_modes == modes and check(args, kwargs):
-                if program.state is None or program.state.matches():
-                    try:
-                        values = program.binder.values(args, kwargs)
-                    except InputError:
-                        break  # MetadataError is raised
-                    if program.within_guards(*values):
-                        return program, values
-                break  # the general path finds (or captures) this situation's program
+            if traced_modes == modes and check(args, kwargs) and (program.state is None or program.state.matches()):
+                try:
+                    values = program.binder.values(args, kwargs)
+                except InputError:  # MetadataError is raised
+                    continue
+                if program.within_guards(*values):
+                    return program, values
+        # else the general path finds (or captures) the program of this call's situation
         situation = (self._call_keys(args, kwargs), modes)
         branch = self._branches.get(situation)
         if branch is not None:
