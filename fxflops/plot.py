@@ -325,17 +325,6 @@ class ScalingSplit:
         return self.superlinear.xreplace(x), self.rest.xreplace(x)
 
 
-def _power_sum_of(program: Program) -> dict[str, tuple[str, int]]:
-    """Symbol name -> (family, k) for every power-sum symbol of the program."""
-    names = {f.name for f in program.families}
-    found = {}
-    for sym in program.all_symbols:
-        family, sep, k = str(sym).rpartition("_p")
-        if sep and family in names and k.isdigit():
-            found[str(sym)] = (family, int(k))
-    return found
-
-
 def _normalised(expr: sympy.Expr) -> sympy.Expr:
     """torch's integer sympy functions as plain sympy: FloorDiv -> floor, CeilDiv -> ceiling, exact
     divisions -> ``/``, Mod -> a − b·floor(a/b), PowByNatural -> ``**``."""
@@ -457,7 +446,7 @@ def scaling_split(
     is not a symbol of the program; UnboundSymbolError for a held symbol without a value.
     """
     convention = convention or program.convention
-    powers = _power_sum_of(program)
+    powers = program.power_sums
     sizes = [str(s) for s in program.required_symbols(convention) if str(s) not in powers]
     if symbol not in sizes:
         why = (
@@ -494,7 +483,7 @@ def scaling_split(
         elif isinstance(segments, int):
             counts[name] = sympy.Integer(segments)
         else:
-            counts[name] = _segment_count(name, symbol, values)
+            counts[name] = _segment_count(name, symbol, values, powers)
     laws: dict[str, sympy.Expr] = {}
     held: dict[str, int] = {}
     subs: dict[sympy.Symbol, sympy.Expr] = {}
@@ -538,14 +527,12 @@ def scaling_split(
     )
 
 
-def _segment_count(family: str, symbol: str, values: dict[str, int]) -> sympy.Expr:
-    """n = p₁²/p₂ from ``values`` (module docstring), or from the lowest given pₖ."""
-    p1 = values.get(f"{family}_p1", values.get(symbol))
-    given = sorted(
-        (int(name[len(family) + 2 :]), v)
-        for name, v in values.items()
-        if name.startswith(f"{family}_p") and name[len(family) + 2 :].isdigit() and int(name[len(family) + 2 :]) >= 2
-    )
+def _segment_count(family: str, symbol: str, values: dict[str, int], powers: dict[str, tuple[str, int]]) -> sympy.Expr:
+    """n = p₁²/p₂ from ``values`` (module docstring), or from the lowest given pₖ (``powers``:
+    ``program.power_sums``)."""
+    of_family = {k: name for name, (f, k) in powers.items() if f == family}
+    p1 = values.get(of_family.get(1, f"{family}_p1"), values.get(symbol))
+    given = sorted((k, values[name]) for k, name in of_family.items() if k >= 2 and name in values)
     if p1 is None or not given:
         raise ValueError(
             f"segments='equal' keeps the number of {family!r} segments of the values: give {symbol} (or "

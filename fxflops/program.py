@@ -852,6 +852,12 @@ class Program:
             raise MetadataError(f"malformed segment metadata {sorted(malformed)} (offsets not from 0, decreasing, or past the packed length)")
         return self.evaluate(monomials)
 
+    @property
+    def power_sums(self) -> dict[str, tuple[str, int]]:
+        """Each segment power-sum symbol's name -> (its family's name, k): the symbol is pₖ = Σᵢ sᵢᵏ
+        of that family's segment lengths (the binder computes it from the offsets or grid)."""
+        return {str(sym): (family.name, k) for sym, (family, k) in self.binder.stats.items()}
+
     def describe_symbols(self) -> dict[str, str]:
         """What each symbol means: an input dimension or a segment power sum."""
         meaning = {}
@@ -859,12 +865,9 @@ class Program:
             for d, expr in enumerate(exprs):
                 if isinstance(expr, sympy.Symbol) and str(expr) not in meaning:
                     meaning[str(expr)] = f"dim {d} of input {path_label(path)}"
-        for family in self.families:
-            for sym in self.symbols:
-                name = str(sym)
-                if name.startswith(family.name + "_p") and name[len(family.name) + 2 :].isdigit():
-                    k = name[len(family.name) + 2 :]
-                    meaning[name] = f"Σᵢ sᵢ^{k} over {family.describe()}"
+        families = {family.name: family for family in self.families}
+        for name, (family, k) in self.power_sums.items():
+            meaning[name] = f"Σᵢ sᵢ^{k} over {families[family].describe()}"
         return {str(s): meaning.get(str(s), "") for s in self.symbols}
 
     # ---- reporting -----------------------------------------------------------------------------

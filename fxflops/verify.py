@@ -195,22 +195,18 @@ def _sample(program: Any, domain: dict[str, tuple[int, int]] | None, n: int, see
     rng = random.Random(seed)
     domain = domain or {}
     families = sorted(program.families, key=lambda f: f.name)
-    power = re.compile(r"^(?P<family>.+)_p(?P<k>\d+)$")
-    sums = {str(s): power.match(str(s)) for s in program.symbols}
-    family_names = {f.name for f in families}
+    powers = program.power_sums  # name -> (family, k)
+    names = [str(s) for s in program.symbols]
     points: list[dict[str, int]] = []
     for _ in range(50 * n):
         if len(points) == n:
             break
-        point = {}
-        for name, match in sums.items():
-            if match is None or match["family"] not in family_names:
-                point[name] = rng.randint(*domain.get(name, (1, 4096)))
+        point = {name: rng.randint(*domain.get(name, (1, 4096))) for name in names if name not in powers}
         for family in families:
             lengths = _segments(rng, family, point, domain)
-            for name, match in sums.items():
-                if match is not None and match["family"] == family.name:
-                    point[name] = sum(length ** int(match["k"]) for length in lengths)
+            for name in names:
+                if powers.get(name, ("",))[0] == family.name:
+                    point[name] = sum(length ** powers[name][1] for length in lengths)
         ordered = tuple(point.get(str(s), 0) for s in program.all_symbols)
         if program.within_guards(*ordered):
             points.append(point)

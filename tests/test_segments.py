@@ -291,3 +291,25 @@ def test_offsets_through_no_op_reshapes_are_followed():
     other = torch.tensor([[3, 1, 2], [1, 4, 1], [2, 1, 1]])
     frames = [h * w for t, h, w in other.tolist() for _ in range(t)]
     assert program.count(torch.randn(sum(frames), 2, 4), other) == 4 * 2 * 4 * sum(f * f for f in frames)
+
+
+def test_power_sums_are_structured_metadata_whose_values_are_the_brute_force_sums():
+    """``program.power_sums`` names each power-sum symbol's family and power; on random batches each
+    value is Σ sᵢᵏ of that family's segments, summed by hand: the packed sequences from
+    ``cu_seqlens``, the frames (t frames of h·w patches) from ``image_grid_thw``."""
+    from fxflops.models import tiny_vlm
+
+    example = tiny_vlm.example()
+    program = fxflops.trace(example["model"], tuple(example["args"]), dims=example["dims"], segments=example["segments"])
+    assert {family for family, _ in program.power_sums.values()} == {"text", "frames"}
+    rng = random.Random(5)
+    for _ in range(5):
+        batch = random_batch(VLMConfig(vision_layers=2, layers=2), rng)
+        offsets = batch.cu_seqlens.tolist()
+        lengths = {
+            "text": [b - a for a, b in zip(offsets, offsets[1:])],
+            "frames": [h * w for t, h, w in batch.image_grid_thw.tolist() for _ in range(t)],
+        }
+        values = dict(zip(map(str, program.all_symbols), program.values(*batch.inputs())))
+        for name, (family, k) in program.power_sums.items():
+            assert values[name] == sum(s**k for s in lengths[family]), (name, family, k)
