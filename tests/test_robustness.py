@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import io
 import pickle
@@ -228,6 +229,29 @@ def test_a_capture_leaves_a_kv_cache_untouched():
         assert torch.equal(layer.values, reference.values)
 
 
+@contextlib.contextmanager
+def _repeating_in_another_thread(step):
+    """For the block, ``step()`` runs over and over in another thread; yields the list of its
+    failures (``repr`` of the first exception, after which the thread stops)."""
+    stop, failures = threading.Event(), []
+
+    def loop():
+        while not stop.is_set():
+            try:
+                step()
+            except Exception as exc:  # noqa: BLE001 - reported by the caller
+                failures.append(repr(exc))
+                return
+
+    worker = threading.Thread(target=loop)
+    worker.start()
+    try:
+        yield failures
+    finally:
+        stop.set()
+        worker.join()
+
+
 def test_a_model_in_another_thread_sees_none_of_the_capture():
     """While another thread captures VLMs (packed pieces, layout-oblivious copies, checkpoint tags,
     read recording, FX's tracing flag), plain tensor code here behaves exactly as always."""
@@ -235,37 +259,26 @@ def test_a_model_in_another_thread_sees_none_of_the_capture():
 
     import random
 
-    stop, failures = threading.Event(), []
+    x = torch.arange(12.0).reshape(4, 3)
 
     def plain_work():
-        x = torch.arange(12.0).reshape(4, 3)
-        while not stop.is_set():
-            try:
-                assert [t.shape[0] for t in torch.split(x, [1, 3])] == [1, 3]
-                assert [t.tolist() for t in x.split([2, 2])] == [[[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]], [[6.0, 7.0, 8.0], [9.0, 10.0, 11.0]]]
-                assert len(list(x)) == 4 and len(x) == 4
-                assert x.contiguous() is x and x.t().contiguous().is_contiguous()
-                assert torch.tensor([[1, 2], [3, 4]]).tolist() == [[1, 2], [3, 4]]
-                with pytest.raises(RuntimeError, match="single memory location"):
-                    torch.zeros(1, 3).expand(4, 3).add_(1)  # the in-place overlap check still holds
-                assert F.linear(x, torch.eye(3)).equal(x)
-                assert not torch.fx._symbolic_trace.is_fx_tracing()
-            except Exception as exc:  # noqa: BLE001 - reported below
-                failures.append(repr(exc))
-                return
+        assert [t.shape[0] for t in torch.split(x, [1, 3])] == [1, 3]
+        assert [t.tolist() for t in x.split([2, 2])] == [[[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]], [[6.0, 7.0, 8.0], [9.0, 10.0, 11.0]]]
+        assert len(list(x)) == 4 and len(x) == 4
+        assert x.contiguous() is x and x.t().contiguous().is_contiguous()
+        assert torch.tensor([[1, 2], [3, 4]]).tolist() == [[1, 2], [3, 4]]
+        with pytest.raises(RuntimeError, match="single memory location"):
+            torch.zeros(1, 3).expand(4, 3).add_(1)  # the in-place overlap check still holds
+        assert F.linear(x, torch.eye(3)).equal(x)
+        assert not torch.fx._symbolic_trace.is_fx_tracing()
 
-    worker = threading.Thread(target=plain_work)
-    worker.start()
-    try:
+    with _repeating_in_another_thread(plain_work) as failures:
         model = hf_zoo.build("qwen2_vl", "sdpa")
         wrapper = fxflops.instrument(model, backward=True, strict=True)
         rng = random.Random(0)
         for images in (1, 2, 0):
             wrapper(**hf_zoo.random_batch("qwen2_vl", rng, images=images)).loss.backward()
         assert wrapper.captures >= 2
-    finally:
-        stop.set()
-        worker.join()
     assert not failures, failures
 
 
@@ -274,23 +287,16 @@ def test_a_compiled_module_in_another_thread_keeps_running_during_a_capture():
     (it raised "FX to symbolically trace a dynamo-optimized function" before), waiting while the
     capture traces (running, it disturbed the trace: a silently lower count), and the capture counts
     its call exactly."""
-    stop, failures, calls = threading.Event(), [], [0]
+    calls = [0]
     compiled = torch.compile(torch.nn.Linear(3, 3), backend="eager")
     x = torch.zeros(4, 3)
     compiled(x)  # compiled before the capture starts
 
     def compiled_work():
-        while not stop.is_set():
-            try:
-                assert compiled(x).shape == (4, 3)
-                calls[0] += 1
-            except Exception as exc:  # noqa: BLE001 - reported below
-                failures.append(repr(exc))
-                return
+        assert compiled(x).shape == (4, 3)
+        calls[0] += 1
 
-    worker = threading.Thread(target=compiled_work)
-    worker.start()
-    try:
+    with _repeating_in_another_thread(compiled_work) as failures:
         torch.manual_seed(0)
         model = TinyGPT(CONFIG)
         wrapper = fxflops.instrument(model, backward=True)
@@ -298,9 +304,6 @@ def test_a_compiled_module_in_another_thread_keeps_running_during_a_capture():
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             wrapper(ids).sum().backward()
-    finally:
-        stop.set()
-        worker.join()
     assert not failures and calls[0] > 0, failures
     assert wrapper.flops.total() == flop_counter_call(model, (ids,), {}, backward=True)
     assert wrapper.flops.uncounted == 0
