@@ -7,7 +7,7 @@ dimension against its expression, so a call whose shapes the trace does not desc
 the input and dimension named. Only shapes are read: no tensor data, no device sync.
 
 Segment power sums pₖ = Σᵢ sᵢᵏ come from the metadata input their family was built from (see
-``capture/segments.py``): for a tensor on the CPU from its values in Python (no device involved); for a
+``analysis/segments.py``): for a tensor on the CPU from its values in Python (no device involved); for a
 tensor on an accelerator (or the meta device) with tensor ops on that device, giving 0-d tensors that
 the Meter accumulates there, so binding never waits for the device. Metadata on the host is always
 validated (offsets start at 0 and never decrease, segments fit in the packed length); on a device
@@ -31,7 +31,7 @@ from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP
 from torch.utils._sympy.printers import PythonPrinter
 
 from fxflops.capture.inputs import Attr, Path, bind_call, path_label
-from fxflops.capture.segments import ELEMENT, Family, column
+from fxflops.analysis.segments import ELEMENT, Family, column
 from fxflops.errors import InputError, MetadataError
 
 _PRINTER = PythonPrinter()
@@ -55,6 +55,39 @@ def generated(source: str, name: str, **names: Any) -> dict[str, Any]:
         if getattr(getattr(value, "__code__", None), "co_filename", None) == f"<fxflops {name}>":
             value.source = source
     return scope
+
+
+_PROBES = (2, 3, 5, 7, 16, 100, 4097)
+
+
+def guard_evaluator(guard: sympy.Basic, symbols: tuple[sympy.Symbol, ...]) -> Callable[..., bool] | None:
+    """None when the guard's printed Python (:func:`generated`) evaluates as sympy does at a few
+    probe points; otherwise an exact evaluator by substitution (slower, but never wrong)."""
+    names = {sym: f"v{i}" for i, sym in enumerate(symbols)}
+    params = ", ".join(names.values())
+    try:
+        printed = generated(f"def guard({params}):\n    return bool({python_source(guard, names)})\n", "guard")["guard"]
+    except Exception:  # noqa: BLE001 - a form the printer cannot write as Python
+        printed = None
+    for value in _PROBES:
+        point = {sym: value for sym in symbols}
+        expected = _substituted(guard, point)
+        try:
+            agrees = printed is not None and (expected is None or printed(*point.values()) == expected)
+        except Exception:  # noqa: BLE001 - e.g. a name the printed form needs and the scope lacks
+            agrees = False
+        if not agrees:
+            return lambda *values: bool(_substituted(guard, dict(zip(symbols, values))))
+    return None
+
+
+def _substituted(guard: sympy.Basic, point: dict) -> bool | None:
+    """The guard's truth at ``point`` by sympy substitution (None if sympy cannot decide it)."""
+    try:
+        value = guard.xreplace({sym: sympy.Integer(v) for sym, v in point.items()})
+        return bool(value) if value in (sympy.true, sympy.false) or isinstance(value, bool) else None
+    except (TypeError, ValueError, ZeroDivisionError):
+        return None
 
 
 class Binder:

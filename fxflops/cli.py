@@ -40,6 +40,7 @@ from rich.table import Table
 
 import fxflops
 from fxflops.conventions import PRESETS, Convention
+from fxflops.analysis.paths import depth as path_depth
 from fxflops.program import PHASES
 from fxflops.models.tiny_vlm import TinyVLM, VLMConfig, forward_flops_formula, random_batch
 from fxflops.report import human
@@ -237,7 +238,7 @@ def report(args: argparse.Namespace) -> int:
     for column in ("module", "fwd", "bwd", "recompute", "share", "formula"):
         table.add_column(column, justify="left" if column in ("module", "formula") else "right")
     for row in rows:
-        depth = 0 if row["module"] == "<model>" else row["module"].count(".") + 1
+        depth = 0 if row["module"] == "<model>" else path_depth(row["module"])
         table.add_row("  " * depth + row["module"].rsplit(".", 1)[-1], *(f"{row[ph]:,}" for ph in PHASES), f"{100 * row['share']:.1f}%", row["formula"])
     Console(width=None if sys.stdout.isatty() else 160).print(table)
     for note in program.notes:

@@ -45,7 +45,8 @@ from fxflops.capture.shape_env import BlamingShapeEnv, format_location
 from fxflops.capture.trace import Captured, Guard, named_symbol
 from fxflops.errors import CaptureError, FxFlopsError
 from fxflops.meter import Meter
-from fxflops.program import Program, module_path
+from fxflops.analysis.paths import module_path
+from fxflops.program import Program
 
 _SIZE_SOURCE = re.compile(r"^L\['(\w+)'\]\.size\(\)\[(\d+)\]$")
 
@@ -254,3 +255,17 @@ class CountingBackend:
         if message not in self._warned:
             self._warned.add(message)
             warnings.warn(f"fxflops: {message}", stacklevel=3)
+
+
+def backend(
+    inner: str | Any = "inductor",
+    *,
+    model: torch.nn.Module | None = None,
+    backward: bool = True,
+    strict: bool = False,
+) -> CountingBackend:
+    """A ``torch.compile`` backend counting every compiled graph's FLOPs into ``.flops`` (a Meter),
+    wrapping the registered backend ``inner`` whose output it leaves unchanged; see the module
+    docstring. Give the compiled ``model`` so that graphs compiled from a submodule's frame (after a
+    graph break) are attributed to that submodule's path."""
+    return CountingBackend(inner, backward, strict, model)

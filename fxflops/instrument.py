@@ -45,14 +45,14 @@ import torch.utils._pytree as pytree
 
 from fxflops.call_keys import CallKeys
 from fxflops.capture.engines import not_a_microbatch, traced_module
-from fxflops.capture.trace import capture
 from fxflops.errors import CaptureError, FxFlopsError, GuardError, InputError, MetadataError
-from fxflops.families import adapter_for
+from fxflops.adapters import adapter_for
 from fxflops.generation import counting_own_calls, generated_tokens
 from fxflops.meter import Meter
+from fxflops.build import build_program
 from fxflops.program import Program, backward_rule
 from fxflops.routing import RoutingProbes
-from fxflops.rules import overlaid, per_use_entries
+from fxflops.rules import per_use_entries
 from fxflops.situation import ModelState, describe_difference, mode_key
 
 ON_MISS = ("recapture", "raise")
@@ -287,7 +287,7 @@ class Instrumented(torch.nn.Module):
         self._warn_once(message)
 
     def _prepare(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        """The call with the metadata the model family derives added (``capture/adapters.py``, chosen by ``families.py``): the
+        """The call with the metadata the model family derives added (``fxflops/adapters/``): the
         model runs it (and skips deriving it), the program binds it. A failure leaves the call as is
         (the model's own code will raise it again, or the count fails open)."""
         try:
@@ -371,30 +371,21 @@ class Instrumented(torch.nn.Module):
         """Capture this call as a new program of ``branch`` (in the call's own modes: a backward is
         traced when grad is enabled)."""
         started = time.perf_counter()
-        backward = self.backward == "traced" and torch.is_grad_enabled()
+        rule = "none" if self.backward == "traced" and not torch.is_grad_enabled() else self.backward
         branch.attempts += 1
         try:
-            captured = capture(
-                self.traced,
-                args,
-                kwargs,
-                self.dims,
-                allow_pins=bool(self.programs),
-                per_segment=self.per_segment,
-                backward=backward,
-                adapter=self.adapter,
+            program = build_program(
+                self.traced, args, kwargs, self.adapter, dims=self.dims, per_segment=self.per_segment,
+                segments=self.segments, strict_metadata=self.strict_metadata,
+                backward=rule,
+                allow_pins=bool(self.programs), rules=self.rules, situation=situation,
             )
-            rule = self.backward if backward or self.backward != "traced" else "none"
-            with overlaid(self.rules):
-                program = Program.from_capture(captured, self.traced, self.segments, self.strict_metadata, rule)
         except Exception as exc:
             reason = str(exc) if isinstance(exc, FxFlopsError) else f"capture failed: {type(exc).__name__}: {exc}"
             branch.refusals.append(_Refusal(sizes, self._refused_state(exc), reason))
             raise
         finally:
             self.flops.exclude_time(time.perf_counter() - started)  # capture time is not training time
-        program.prepare = self.adapter.prepare
-        program.situation = situation
         branch.attempts = 0
         branch.programs.append(program)
         self.captures += 1

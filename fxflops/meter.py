@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from fxflops.analysis.paths import ancestors, depth as path_depth, join
 from fxflops.situation import STRUCTURE
 
 _FOLD_EVERY = 256  # pending calls per accumulator before they are summed (reads fold them too)
@@ -143,12 +144,11 @@ class Meter:
         out: dict[str, int] = {}
         for program, acc, kind, prefix in _hosted if _hosted is not None else self._on_host():
             phases = self._phase(phase, kind)
-            for path in program.modules(None if depth is None else depth - _depth(prefix)):
-                full = ".".join(p for p in (prefix, path) if p)
+            for path in program.modules(None if depth is None else depth - path_depth(prefix)):
+                full = join(prefix, path)
                 out[full] = out.get(full, 0) + program.evaluate(acc, path, phases, convention)
-            parts = prefix.split(".") if prefix else []
-            for ancestor in ["", *(".".join(parts[: i + 1]) for i in range(len(parts) - 1))]:
-                if prefix and (depth is None or _depth(ancestor) <= depth):  # roll a submodule's graph up
+            for ancestor in ancestors(prefix)[:-1]:
+                if depth is None or path_depth(ancestor) <= depth:  # roll a submodule's graph up
                     out[ancestor] = out.get(ancestor, 0) + program.evaluate(acc, "", phases, convention)
         return out
 
@@ -178,9 +178,9 @@ class Meter:
         """Sum over the counted calls of one symbol's value (e.g. ``"tokens"``), 0 if no program has it."""
         total = 0
         for program, acc, _, _ in _hosted if _hosted is not None else self._on_host():
-            for column, monomial in enumerate(program.basis):
-                if str(monomial) == name:
-                    total += acc[column]
+            column = program.layout.column(name)
+            if column is not None:
+                total += acc[column]
         return total
 
     def totals(
@@ -434,10 +434,6 @@ class Report:
 
     def _divisor_text(self) -> str:
         return f" (the {self.world_size} ranks' global FLOPs / time / {self.world_size})" if self.world_size > 1 else ""
-
-
-def _depth(path: str) -> int:
-    return 0 if path == "" else path.count(".") + 1
 
 
 def _to_host(values: list[Any]) -> list[int]:

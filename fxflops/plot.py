@@ -80,6 +80,7 @@ from typing import TYPE_CHECKING, Any
 import sympy
 from sympy.polys.polyerrors import BasePolynomialError
 
+from fxflops.analysis.paths import depth as path_depth
 from fxflops.errors import GuardError, UnboundSymbolError
 from fxflops.report import human
 
@@ -216,7 +217,7 @@ def _colours(levels: list[list[Segment]]) -> dict[Segment, tuple[float, float, f
                 continue
             parent = seg.path if seg.own else _parent(seg.path)
             index = siblings[parent] = siblings.get(parent, -1) + 1
-            depth = 0 if not seg.path else seg.path.count(".") + 1
+            depth = path_depth(seg.path)
             mix = min(0.75, 0.18 * (depth - 1) + 0.12 * (index % 3) + (0.3 if seg.own else 0.0))
             colours[seg] = tuple(c + (1 - c) * mix for c in base)
     return colours

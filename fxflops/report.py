@@ -1,8 +1,12 @@
-"""Plain-text tables of programs and meters (no dependency beyond the standard library)."""
+"""Plain-text tables and JSON of programs and meters (read through their public methods)."""
 
 from __future__ import annotations
 
+import json
 from typing import TYPE_CHECKING, Any
+
+from fxflops.analysis.counted import PHASES
+from fxflops.analysis.paths import depth as path_depth
 
 if TYPE_CHECKING:
     from fxflops.conventions import Convention
@@ -30,7 +34,7 @@ def render(header: list[str], rows: list[list[str]]) -> str:
 
 
 def _label(path: str) -> str:
-    depth = 0 if path == "" else path.count(".") + 1
+    depth = path_depth(path)
     return "  " * depth + (path.rsplit(".", 1)[-1] if path else "<model>")
 
 
@@ -61,3 +65,25 @@ def meter_table(breakdown: dict[str, int]) -> str:
     total = breakdown.get("", 0) or 1
     rows = [[_label(p), f"{v:,}", human(v), f"{100 * v / total:.1f}%"] for p, v in breakdown.items() if v]
     return render(["module", "FLOPs", "", "share"], rows)
+
+
+def program_json(program: Program) -> str:
+    """Symbols, guards, per-module formulas, terms and unsupported ops as a JSON document."""
+    return json.dumps(
+        {
+            "symbols": [str(s) for s in program.symbols],
+            "guards": [{"expr": str(g.expr), "location": g.location} for g in program.guards],
+            "convention": program.convention.describe(),
+            "modules": {
+                path: {ph: str(f) for ph in PHASES if (f := program.formula(path, ph)) != 0}
+                for path in program.modules()
+            },
+            "terms": [
+                {"node": t.node, "op": t.op, "module": t.module, "phase": t.phase, "flops": str(t.flops)}
+                for t in program.terms
+            ],
+            "unsupported": [{"node": u.node, "op": u.op, "module": u.module} for u in program.unsupported],
+            "notes": program.notes,
+        },
+        indent=2,
+    )

@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from fxflops.analysis.paths import inside, moved
 from fxflops.call_keys import SCALARS, value_key
 from fxflops.capture.reads import Reads
 
@@ -311,9 +312,9 @@ def _guards_from(model: torch.nn.Module, reads: Reads, copies: dict[str, str], c
     sources = [(path, reads.of_module(m)) for path, m in modules.items() if reads.of_module(m)]
     for copy, template in copies.items():
         sources += [
-            (copy + path[len(template):], names)
+            (moved(path, template, copy), names)
             for path, names in list(sources)
-            if (path == template or path.startswith(template + ".")) and copy + path[len(template):] in modules
+            if inside(path, template) and moved(path, template, copy) in modules
         ]
     guards: dict[tuple[int, str], StateGuard] = {}
     for path, names in sources:

@@ -28,6 +28,7 @@ from typing import Any
 import sympy
 from torch.utils._sympy.functions import FloorDiv
 
+from fxflops.analysis.paths import depth as path_depth
 from fxflops.conventions import Convention
 
 _INDEX = re.compile(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.|$)")
@@ -134,7 +135,7 @@ def _module_polynomials(program: Any, root: str, phase: str | None, convention: 
         if pattern != path:
             groups[pattern].append(poly)
     polys += [(pattern, sympy.expand(sum(members))) for pattern, members in groups.items() if len(members) > 1]
-    polys.sort(key=lambda item: (item[0].count("."), "*" not in item[0]))
+    polys.sort(key=lambda item: (path_depth(item[0]), "*" not in item[0]))
     return [(root or "<model>", _plain(program.formula(root, phase, convention))), *polys]
 
 
@@ -173,16 +174,16 @@ def attribute(difference: sympy.Expr, modules: list[tuple[str, sympy.Expr]]) -> 
         holders = [(w, terms[monomial]) for w, terms in named if monomial in terms]
         exact = [w for w, c in holders if c == coefficient or c == -coefficient]
         if exact:
-            deepest = max(w.count(".") for w in exact)
-            chosen = sorted(w for w in exact if w.count(".") == deepest)
+            deepest = max(map(path_depth, exact))
+            chosen = sorted(w for w in exact if path_depth(w) == deepest)
             found.append(Attribution(next((w for w in chosen if "*" in w), chosen[0]), coefficient * monomial))
         elif holders:
             top = [(w, c) for w, c in holders if "." not in w and "*" not in w]
             if abs(sum(c for _, c in top)) == abs(coefficient):  # the term of the top-level modules together
                 found.append(Attribution(", ".join(sorted(w for w, _ in top)), coefficient * monomial))
             else:  # a part of the term: where it is computed, the deepest holders
-                deepest = max(w.count(".") for w, _ in holders)
-                at = sorted(w for w, _ in holders if w.count(".") == deepest)
+                deepest = max(path_depth(w) for w, _ in holders)
+                at = sorted(w for w, _ in holders if path_depth(w) == deepest)
                 found.append(Attribution(", ".join([w for w in at if "*" in w][:1] or at), coefficient * monomial))
         else:
             unexplained += coefficient * monomial

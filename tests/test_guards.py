@@ -130,7 +130,7 @@ def test_compiled_guards_agree_with_sympy_everywhere():
 
 def test_a_guard_the_printer_cannot_write_is_evaluated_exactly():
     """A guard whose printed Python cannot run falls back to sympy substitution (never wrong)."""
-    from fxflops.program import _exactly
+    from fxflops.binder import guard_evaluator
 
     s = sympy.Symbol("s", integer=True, positive=True)
     unknown = sympy.Function("NotPrintable")
@@ -142,7 +142,7 @@ def test_a_guard_the_printer_cannot_write_is_evaluated_exactly():
                 return sympy.true if int(x) % 3 else sympy.false
             return None
 
-    assert _exactly(sympy.Eq(s % 4, 1), (s,)) is None  # printed Python is exact: used as is
-    evaluator = _exactly(Truthy(s), (s,))
+    assert guard_evaluator(sympy.Eq(s % 4, 1), (s,)) is None  # printed Python is exact: used as is
+    evaluator = guard_evaluator(Truthy(s), (s,))
     assert evaluator is not None and [evaluator(v) for v in (3, 4, 5, 6)] == [False, True, True, False]
     del unknown

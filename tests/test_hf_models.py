@@ -137,7 +137,7 @@ def test_a_new_call_layout_is_recaptured_or_refused():
 
 def test_plain_models_get_no_adapter():
     from fxflops.capture.adapters import Adapter
-    from fxflops.families import adapter_for
+    from fxflops.adapters import adapter_for
     from fxflops.models.tiny_gpt import GPTConfig, TinyGPT
 
     assert type(adapter_for(TinyGPT(GPTConfig()))) is Adapter

@@ -27,7 +27,7 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode, flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
-from fxflops.capture.segments import ELEMENT, Family, Lengths, Rows, SegmentLengths
+from fxflops.analysis.segments import ELEMENT, Family, Lengths, Rows, SegmentLengths
 from fxflops.rules import registered_ops, rule_for, segment_args, shape_of
 
 aten = torch.ops.aten

@@ -9,11 +9,12 @@ windows that way) gets an adapter that
   so the work is moved, not added);
 - ``dims``: names the call's dims (``batch``, ``seq``, ``patches``) when the user names none;
 - ``per_segment``: the modules to lift per segment (see ``capture/lifting.py``);
-- ``capturing``: a context held during the capture only (``capture/pieces.py``);
+- ``capturing``: a context held during the capture only (``fxflops/adapters/pieces.py``);
 - ``same_layer_attributes``: attributes that differ between a stack's layers without changing what
   they compute, so identical layers are still traced once (``capture/reuse.py``).
 
-``fxflops/families.py`` picks it by the model's type (the capture only receives it).
+A model family's adapter is a file in ``fxflops/adapters/``, picked by ``adapter_for`` from the
+model's type; the capture only receives it (``capture(adapter=...)``).
 """
 
 from __future__ import annotations

@@ -212,3 +212,10 @@ def _model_line(exc: BaseException) -> str:
     """The innermost frame of model code (not torch, not fxflops) in ``exc``'s traceback."""
     frames = [f for f in traceback.extract_tb(exc.__traceback__) if not is_library_file(f.filename)]
     return format_location(frames[-1]) if frames else "an unknown line"
+
+
+def op_name(target: Any) -> str:
+    """An FX call target's short name: the overload packet's (``cumsum``), else the function's
+    (``getitem``)."""
+    packet = getattr(target, "overloadpacket", None)
+    return packet.__name__ if packet is not None else getattr(target, "__name__", "")

@@ -15,7 +15,7 @@ matching module's ``forward`` is temporarily replaced by a stand-in that:
    resolved by evaluating that slice of the graph on ``[0, s]``;
 2. returns ``fxflops::per_segment`` marker nodes into the outer graph, shaped like the real outputs and
    carrying the packed input and the offsets, so that the Program bills P as Σₖ cₖ·pₖ of the offsets'
-   segment family (see ``capture/segments.py``): its forward in the phase the markers ran in (the
+   segment family (see ``analysis/segments.py``): its forward in the phase the markers ran in (the
    forward, or an activation checkpoint's recompute), its backward once for each call whose markers'
    backward ran (``fxflops::per_segment_grad`` nodes carry the call's number).
 
@@ -47,55 +47,15 @@ from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
 from torch.fx.experimental.symbolic_shapes import DimDynamic
 
-from fxflops.capture.graph import TENSOR, trace_graph
+from fxflops.capture.graph import TENSOR, op_name, trace_graph
+from fxflops.capture.markers import per_segment_marker
 from fxflops.capture.phases import own_phases
 from fxflops.capture.reuse import layer_attributes, layer_state
 from fxflops.capture.scope import capturing
-from fxflops.capture.segments import op_name
 from fxflops.capture.shape_env import BlamingShapeEnv
 from fxflops.errors import CaptureError
 
 SEGMENT = sympy.Symbol("s", integer=True, positive=True)
-
-
-@torch.library.custom_op("fxflops::per_segment", mutates_args=())
-def per_segment_marker(
-    packed: torch.Tensor, offsets: torch.Tensor, shape: list[int], dtype: torch.dtype, bill: bool, call: int
-) -> torch.Tensor:
-    """A lifted module's output inside a captured graph (``bill``: this node carries its FLOPs;
-    ``call`` numbers the module's calls within the capture)."""
-    raise RuntimeError("fxflops::per_segment only exists inside a capture")
-
-
-@per_segment_marker.register_fake
-def _(packed, offsets, shape, dtype, bill, call):
-    return packed.new_empty(shape, dtype=dtype)
-
-
-@torch.library.custom_op("fxflops::per_segment_grad", mutates_args=())
-def per_segment_grad(grad: torch.Tensor, packed: torch.Tensor, call: int) -> torch.Tensor:
-    """The gradient a lifted module's ``call`` sends to its packed input, inside a joint capture (never
-    runs for real): the module's backward FLOPs, from its own one-segment joint trace, are billed
-    where this node is (once per call whose backward ran)."""
-    raise RuntimeError("fxflops::per_segment_grad only exists inside a capture")
-
-
-@per_segment_grad.register_fake
-def _(grad, packed, call):
-    return torch.empty_like(packed)
-
-
-def _marker_setup(ctx, inputs, output) -> None:
-    ctx.save_for_backward(inputs[0])
-    ctx.call = inputs[5]
-
-
-def _marker_backward(ctx, grad):
-    (packed,) = ctx.saved_tensors
-    return per_segment_grad(grad, packed, ctx.call), None, None, None, None, None
-
-
-per_segment_marker.register_autograd(_marker_backward, setup_context=_marker_setup)
 
 
 @dataclass(frozen=True)

@@ -37,44 +37,10 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
+from fxflops.capture.markers import repeat_marker
 from fxflops.capture.scope import capturing
 
 _PLAIN = (bool, int, float, str, type(None))
-
-
-@torch.library.custom_op("fxflops::repeat_layer", mutates_args=())
-def repeat_marker(input: torch.Tensor, shape: list[int], dtype: torch.dtype, layer: str) -> torch.Tensor:
-    """An output of a layer billed as a repeat of a traced one (exists only inside a capture)."""
-    raise RuntimeError("fxflops::repeat_layer only exists inside a capture")
-
-
-@repeat_marker.register_fake
-def _(input, shape, dtype, layer):
-    return input.new_empty(shape, dtype=dtype)
-
-
-@torch.library.custom_op("fxflops::repeat_layer_grad", mutates_args=())
-def repeat_grad(grad: torch.Tensor, input: torch.Tensor, layer: str) -> torch.Tensor:
-    """The gradient a repeated layer sends to its input (its backward FLOPs are the template's)."""
-    raise RuntimeError("fxflops::repeat_layer_grad only exists inside a capture")
-
-
-@repeat_grad.register_fake
-def _(grad, input, layer):
-    return torch.empty_like(input)
-
-
-def _setup(ctx, inputs, output) -> None:
-    ctx.save_for_backward(inputs[0])
-    ctx.layer = inputs[3]
-
-
-def _backward(ctx, grad):
-    (input,) = ctx.saved_tensors
-    return repeat_grad(grad, input, ctx.layer), None, None, None
-
-
-repeat_marker.register_autograd(_backward, setup_context=_setup)
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """The capture scope: one capture at a time in the process, and patches only the capturing thread sees.
 
 A capture changes process-wide things for its duration: ``torch.split`` keeps per-image pieces packed
-(``capture/pieces.py``), ``Tensor.contiguous`` always copies (``capture/trace.py``), checkpointing's
+(``fxflops/adapters/pieces.py``), ``Tensor.contiguous`` always copies (``capture/trace.py``), checkpointing's
 recompute callables are tagged (``capture/phases.py``), ``nn.Module`` attribute reads are recorded
 (``capture/reads.py``). Another thread running a model meanwhile must see none of it, and two threads
 capturing at once must not install and remove each other's patches.

@@ -9,7 +9,7 @@ the ``out`` argument some backward schemas have). It returns the FLOPs as an ``i
 
 Arguments that are cumulative segment offsets (``cu_seqlens``) carry their information in their data,
 not their shape: a rule registered with ``segments=(...)`` (positions or schema names of such
-arguments) receives there a :class:`~fxflops.capture.segments.SegmentLengths` instead of a shape, whose
+arguments) receives there a :class:`~fxflops.analysis.segments.SegmentLengths` instead of a shape, whose
 ``power_sum(k)`` is the symbol pₖ = Σᵢ sᵢᵏ of that segment family.
 
 Rules only do arithmetic on the shapes, so the same function serves a concrete count (plain ints) and

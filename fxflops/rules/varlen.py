@@ -4,7 +4,7 @@ Convention as the dense SDPA rules (FlopCounterMode): sequence i with sq_i queri
 2·Hq·sq_i·sk_i·(Dqk + Dv) forward and 2·Hq·sq_i·sk_i·(3·Dqk + 2·Dv) backward (2.5× for Dqk = Dv), GQA
 at query heads, causal and sliding windows not discounted. Summed over the pieces that is
 2·Hq·(Dqk + Dv)·Σᵢ sq_i·sk_i, and for self-attention Σᵢ sq_i·sk_i = p₂ = Σᵢ sᵢ² of the offsets'
-segment family (see ``fxflops/capture/segments.py``). Layouts: ``(total, heads, head_dim)`` (flash-attn
+segment family (see ``fxflops/analysis/segments.py``). Layouts: ``(total, heads, head_dim)`` (flash-attn
 varlen, torch's varlen_attn, fxflops.ops), optionally with a leading batch dim of 1 (xformers).
 Source: torch/utils/flop_counter.py ``_unpack_flash_attention_nested_shapes`` (the same per-sequence
 sum, which it reads with a host sync from ``cum_seq.tolist()``).
@@ -18,8 +18,8 @@ import sympy
 
 from fxflops.rules.registry import register
 
-if TYPE_CHECKING:  # what the analysis passes for an offsets argument (fxflops/capture/segments.py)
-    from fxflops.capture.segments import SegmentLengths
+if TYPE_CHECKING:  # what the analysis passes for an offsets argument (fxflops/analysis/segments.py)
+    from fxflops.analysis.segments import SegmentLengths
 
 
 def pair_sum(a: SegmentLengths, b: SegmentLengths) -> sympy.Expr:

@@ -31,6 +31,7 @@ import sympy
 import torch
 from torch.utils._sympy.functions import FloorDiv
 
+from fxflops.capture.graph import op_name
 from fxflops.capture.inputs import Path, path_label
 
 ELEMENT = sympy.Symbol("x", integer=True)  # the element of a 1-D input
@@ -141,13 +142,6 @@ _ELEMENTWISE = {
 }
 _RESHAPES = {"view", "_unsafe_view", "reshape", "expand", "expand_copy"}
 _IDENTITY = {"_to_copy", "to", "clone", "contiguous", "alias", "detach", "lift_fresh_copy", "_assert_tensor_metadata"}
-
-
-def op_name(target: Any) -> str:
-    """An FX call target's short name: the overload packet's (``cumsum``), else the function's
-    (``getitem``)."""
-    packet = getattr(target, "overloadpacket", None)
-    return packet.__name__ if packet is not None else getattr(target, "__name__", "")
 
 
 def _is_vector(node: torch.fx.Node) -> bool:

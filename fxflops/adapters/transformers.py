@@ -1,0 +1,258 @@
+"""Hugging Face ``transformers`` models: captured with no per-model code.
+
+``fxflops.instrument(model)`` and ``fxflops.trace(model, ...)`` use this adapter whenever ``model`` is a
+``transformers.PreTrainedModel``. It handles the data-dependent parts of vision-language models from
+what the model and transformers themselves declare, never from a list of model classes:
+
+- **Metadata derived from the batch** (:meth:`TransformersAdapter.prepare`). Vision towers build their
+  rotary positions, attention offsets and window indices from ``image_grid_thw`` with Python loops, and
+  M-RoPE models build ``position_ids`` with ``get_rope_index``. transformers lets a caller pass these
+  precomputed (``image_cu_seqlens``, ``image_position_ids``, ``image_cu_window_seqlens``, ...; see
+  ``transformers.vision_utils``) and keeps, for ``torch.export``, a registry that computes them for any
+  encoder that takes ``grid_thw`` (``transformers.exporters.utils.precompute_export_inputs``). The
+  adapter runs that registry on the model's vision encoder, and the model's own ``get_rope_index``,
+  on the real batch before every call. The model then skips its loops (the work is moved, not
+  added), and the captured program binds the offsets as segment families.
+- **Per-segment modules**: the innermost modules whose ``forward`` takes ``cu_seqlens`` (eager and sdpa
+  vision attention loop over ``torch.split(q, lengths.tolist())``) are lifted (``capture/lifting.py``),
+  billed Σₖ cₖ·pₖ over the offsets' segment power sums.
+- **Per-image pieces** of ``get_image_features``/``get_video_features`` stay packed while capturing
+  (``fxflops/adapters/pieces.py``), so the number of images is never fixed by the capture.
+- **Mixture-of-experts layers** are traced through transformers' ``batched_mm`` experts
+  implementation, whose shapes are static (:func:`_experts_as_batched_matmuls`).
+- **Dims** are named ``batch``, ``seq``, ``patches``/``video_patches`` (packed vision inputs) or
+  ``images``, ``height``, ``width`` (batched pixel inputs); the values per packed patch are static; any other dim is
+  ``<argument>_<dim>``, free unless the model fixes it.
+
+A family that derives metadata some other way gets the usual capture error naming the model line that
+could not be traced (and with ``instrument``, an uncounted call and one warning), never a wrong count.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from fxflops.analysis.paths import inside
+from fxflops.capture.adapters import Adapter
+from fxflops.capture.inputs import bind_call, held_root, is_metadata, path_label, tensor_leaves
+from fxflops.adapters.pieces import packed_pieces
+from fxflops.errors import CaptureError, MetadataError
+
+FEATURE_GETTERS = ("get_image_features", "get_video_features")
+GRIDS = {"image": "image_grid_thw", "video": "video_grid_thw"}  # modality -> its grid argument
+_GRID_NAMES = tuple(GRIDS.values())
+TEXT_ARGUMENTS = ("input_ids", "attention_mask", "labels", "token_type_ids", "mm_token_type_ids", "inputs_embeds")
+PIXEL_ARGUMENTS = {"pixel_values": "patches", "pixel_values_videos": "video_patches"}
+OFFSETS = "cu_seqlens"
+
+
+def lifted_modules(model: torch.nn.Module) -> dict[str, str]:
+    """``{module path pattern: "cu_seqlens"}`` for the innermost modules whose forward takes
+    ``cu_seqlens`` (layer indices become ``*``)."""
+    takes = [path for path, m in model.named_modules() if path and OFFSETS in _parameters(m.forward)]
+    innermost = [p for p in takes if not any(q != p and inside(q, p) for q in takes)]
+    return {re.sub(r"\.\d+(?=\.|$)", ".*", path): OFFSETS for path in innermost}
+
+
+def _parameters(function: Any, ordered: bool = False) -> Any:
+    """``function``'s parameter names (a set, or a list in order); empty when it has no signature."""
+    try:
+        names = list(inspect.signature(function).parameters)
+    except (TypeError, ValueError):
+        names = []
+    return names if ordered else set(names)
+
+
+def _vision_encoder(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The shallowest submodule whose forward takes ``grid_thw`` (the packed-patch vision tower)."""
+    return next((m for _, m in model.named_modules() if "grid_thw" in _parameters(m.forward)), None)
+
+
+def _rope_owner(model: torch.nn.Module) -> torch.nn.Module | None:
+    """The (sub)module defining ``get_rope_index`` (M-RoPE position ids), if any."""
+    return next((m for m in model.modules() if callable(getattr(m, "get_rope_index", None))), None)
+
+
+class TransformersAdapter(Adapter):
+    """The adapter for a ``transformers.PreTrainedModel`` (see the module docstring)."""
+
+    # decoder layers store their index only to address the KV cache; every index-dependent choice
+    # (layer_type, sliding_window, MoE or dense mlp) is an attribute or a submodule made in __init__
+    same_layer_attributes = frozenset({"layer_idx"})
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.per_segment = lifted_modules(model)
+        self.encoder = _vision_encoder(model)
+        self.rope = _rope_owner(model)
+        self.derived: set[str] = set()  # the keyword arguments prepare() adds
+        self._signature = inspect.signature(model.forward)  # kept: prepare() binds calls on the hot path
+        self._rope_parameters = _parameters(self.rope.get_rope_index) if self.rope is not None else set()
+        positional = list(_parameters(model.forward, ordered=True))
+        # a call reaching a grid only past this many positional arguments: a quick "no media" test
+        self._grid_after = min((positional.index(g) for g in GRIDS.values() if g in positional), default=len(positional))
+        self.getter_owners = [m for m in model.modules() if any(callable(getattr(m, g, None)) for g in FEATURE_GETTERS)]
+
+    def prepare(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """Add the metadata the model would derive with loops (see the module docstring). Metadata
+        that cannot be derived (a grid that does not match the image tokens) raises
+        :class:`~fxflops.errors.MetadataError` naming the inputs."""
+        if len(args) <= self._grid_after and (kwargs.keys().isdisjoint(_GRID_NAMES) or all(kwargs.get(g) is None for g in _GRID_NAMES)):
+            return args, kwargs  # text only: nothing to derive (and no binding on this hot path)
+        call = bind_call(self.model.forward, args, kwargs, self._signature)
+        extras: dict[str, Any] = {}
+        for modality, grid_name in GRIDS.items():
+            grid = call.get(grid_name)
+            if grid is None or self.encoder is None:
+                continue
+            pixels = call.get("pixel_values" if modality == "image" else "pixel_values_videos")
+            # a grid on the host is checked here; on an accelerator that read would be a sync, and the
+            # binder's offsets check covers it (strict_metadata)
+            if pixels is not None and pixels.dim() == 2 and grid.is_cpu and int(grid.prod(-1).sum()) != pixels.shape[0]:
+                raise MetadataError(
+                    f"{grid_name} describes {int(grid.prod(-1).sum())} patches (the sum of t·h·w), but "
+                    f"{'pixel_values' if modality == 'image' else 'pixel_values_videos'} has {pixels.shape[0]} rows"
+                )
+            derived: dict[str, Any] = {"grid_thw": grid}
+            with _naming(f"{type(self.encoder).__name__}'s vision metadata", [grid_name]):
+                _precompute_encoder_inputs(self.encoder, derived)
+            for key, value in derived.items():  # what the caller passed precomputed is kept
+                if key != "grid_thw" and value is not None and f"{modality}_{key}" not in call:
+                    extras[f"{modality}_{key}"] = value
+        if self.rope is not None and call.get("position_ids") is None and any(call.get(g) is not None for g in GRIDS.values()):
+            given = {k: v for k, v in call.items() if k in self._rope_parameters and v is not None}
+            with _naming(f"{type(self.rope).__name__}.get_rope_index", sorted(given)):
+                extras["position_ids"], _ = self.rope.get_rope_index(**given)
+        self.derived.update(extras)
+        return (args, {**kwargs, **extras}) if extras else (args, kwargs)
+
+    def dims(self, args: tuple, kwargs: dict) -> dict[str, dict[int, str]]:
+        """Every tensor dim of the call named: batch/seq on text inputs, past on a key-value cache's
+        keys and values, patches on packed pixels, images on batched pixels, ``<argument>_<dim>``
+        elsewhere and where a known name's sizes disagree (a decode step's mask is past + 1 long).
+        A dim of size 1 stays 1 (it broadcasts, or it is a decode step's one token) unless it
+        counts items (:data:`COUNTS`, the rows of integer metadata). Of the derived metadata only dim 0 varies: the modality's
+        patches when it runs along them (rotary positions, interpolation taps), else its own symbol
+        (offsets, window indices)."""
+        call = bind_call(self.model.forward, args, kwargs)
+        named: dict[str, dict[int, str]] = {}
+        sizes: dict[str, int] = {}  # example size of each known name given so far
+        for path, tensor in tensor_leaves(call).items():
+            label = path_label(path)
+            modality = str(path[0]).split("_")[0]
+            if path[0] in self.derived and modality in GRIDS:
+                pixels = call.get("pixel_values" if modality == "image" else "pixel_values_videos")
+                along = pixels is not None and pixels.dim() == 2 and tensor.dim() and tensor.shape[0] == pixels.shape[0]
+                named[label] = {0: PIXEL_ARGUMENTS["pixel_values" if modality == "image" else "pixel_values_videos"] if along else f"{label}_0"}
+                continue
+            cached = _in_cache(call, path)  # heads and head size of a cache layer are the config's: static
+            names = {  # a size-1 dim broadcasts (a mask's heads): static unless it counts rows of metadata
+                d: f"{label}_{d}" for d in range(tensor.dim())
+                if (tensor.shape[d] != 1 or (d == 0 and is_metadata(tensor))) and (not cached or tensor.dim() != 4 or d in (0, 2))
+            }
+            known = _cache_dims(tensor.dim()) if cached else _known_dims(label, tensor.dim())
+            for d, name in known.items():  # a known name only where its sizes agree
+                if tensor.shape[d] == 1 and name not in COUNTS:
+                    continue  # a length of 1 (a decode step's one token) is another program, never a symbol
+                if sizes.setdefault(name, tensor.shape[d]) == tensor.shape[d]:
+                    names[d] = name
+            if label in PIXEL_ARGUMENTS and tensor.dim() == 2:
+                del names[1]  # values per patch (channels x temporal x patch²): fixed by the config
+            named[label] = names
+        return named
+
+    @contextlib.contextmanager
+    def capturing(self) -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(packed_pieces(self.getter_owners, FEATURE_GETTERS))
+            stack.enter_context(_experts_as_batched_matmuls(self.model))
+            yield
+
+
+@contextlib.contextmanager
+def _experts_as_batched_matmuls(model: torch.nn.Module) -> Iterator[None]:
+    """Mixture-of-experts layers traced through transformers' ``batched_mm`` experts implementation.
+
+    The eager implementation loops over the experts a batch hits (``nonzero``, ``torch.where``: the
+    number and sizes of the groups are data) and ``grouped_mm`` sorts tokens into data-sized groups;
+    ``batched_mm`` multiplies every (token, chosen expert) pair by its expert's weights with one
+    ``bmm`` of static shape. All three do the same multiply-adds, 2·top_k·tokens·(expert's
+    weights): transformers' routers send every token to exactly ``top_k`` experts and drop none, so
+    the count is exact for whichever implementation runs (the ``model`` MoE convention equals the
+    ``actual`` one here). The router and shared experts are their own modules and counted as such.
+    """
+    configs = {id(m.config): m.config for m in model.modules() if hasattr(m, "config") and hasattr(m.config, "_experts_implementation")}
+    experts = [m for m in model.modules() if callable(getattr(m, "_apply_gate", None))]  # wrapped by use_experts_implementation
+    saved = {key: config._experts_implementation for key, config in configs.items()} if experts else {}
+    for key in saved:
+        configs[key]._experts_implementation = "batched_mm"
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            configs[key]._experts_implementation = value
+
+
+@contextlib.contextmanager
+def _naming(what: str, inputs: list[str]) -> Iterator[None]:
+    """Turn a failure of the model's own metadata code into a MetadataError naming its inputs."""
+    try:
+        yield
+    except CaptureError:
+        raise
+    except Exception as exc:
+        raise MetadataError(
+            f"{what} could not be derived from {', '.join(inputs)}: {type(exc).__name__}: {exc} "
+            "(do the grids match the image/video tokens and pixel rows of the batch?)"
+        ) from exc
+
+
+def _in_cache(call: dict[str, Any], path: tuple) -> bool:
+    """Whether the tensor at ``path`` is held by a transformers key-value cache."""
+    from transformers.cache_utils import Cache
+
+    return held_root(path) is not None and isinstance(call[path[0]], Cache)
+
+
+def _cache_dims(rank: int) -> dict[int, str]:
+    """A cache layer's keys and values are (batch, heads, past, head dim): the tokens before this call."""
+    return {0: "batch", 2: "past"} if rank == 4 else {}
+
+
+# known names that count independent items (sequences, images, videos): 1 in an example is one of
+# many sizes; every other size of 1 (a decode step's one token, a mask's broadcast head dim) is static
+COUNTS = frozenset({"batch", "images", "videos"})
+
+
+def _known_dims(label: str, rank: int) -> dict[int, str]:
+    """Readable names for the dims of the arguments every VLM family shares."""
+    if label in TEXT_ARGUMENTS and rank >= 2:
+        return {0: "batch", 1: "seq"}
+    if label == "position_ids":
+        return {0: "batch", 1: "seq"} if rank == 2 else {1: "batch", 2: "seq"} if rank == 3 else {}
+    for pixels, name in PIXEL_ARGUMENTS.items():
+        if label == pixels and rank == 2:
+            return {0: name}
+        if label == pixels and rank == 4:
+            return {0: "images" if pixels == "pixel_values" else "videos", 2: "height", 3: "width"}
+    return {}
+
+
+def _precompute_encoder_inputs(encoder: torch.nn.Module, inputs: dict[str, Any]) -> None:
+    """transformers' own precomputation of a ``grid_thw`` encoder's loop-built inputs, in place."""
+    try:
+        from transformers.exporters.utils import precompute_export_inputs
+    except ImportError as exc:  # transformers < 5.x has no registry of precomputable vision inputs
+        raise CaptureError(
+            f"{type(encoder).__name__} builds its vision metadata with Python loops, and this transformers "
+            "version has no transformers.exporters.utils.precompute_export_inputs to derive it from the batch "
+            "(transformers >= 5 has)"
+        ) from exc
+    with torch.no_grad():
+        precompute_export_inputs(encoder, inputs)
