@@ -23,6 +23,7 @@ are counted in ``counter.flops.uncounted``, unless ``strict=True``.
 
 from __future__ import annotations
 
+import functools
 import re
 import warnings
 from collections.abc import Callable
@@ -41,8 +42,9 @@ from fxflops.binder import python_source
 from fxflops.capture.graph import no_stack_traces
 from fxflops.capture.phases import run_backward, tagging_recompute
 from fxflops.capture.scope import capture_scope
-from fxflops.capture.shape_env import BlamingShapeEnv, format_location
-from fxflops.capture.trace import Captured, Guard, named_symbol
+from fxflops.capture.shape_env import BlamingShapeEnv
+from fxflops.capture.symbols import guards_of, in_public_symbols, named_symbol
+from fxflops.capture.trace import Captured
 from fxflops.errors import CaptureError, FxFlopsError
 from fxflops.meter import Meter
 from fxflops.analysis.paths import module_path
@@ -134,21 +136,20 @@ def capture_graph(gm: torch.fx.GraphModule, example_inputs: list[Any], backward:
     except Exception as exc:
         raise CaptureError(f"could not re-trace a compiled graph: {type(exc).__name__}: {str(exc).splitlines()[0]}") from exc
     env_to_named = {created: named_symbol(name) for created, name in names.items()}
-    paths = [(f"args[{i}]",) for i in range(len(inputs))]  # every argument is a placeholder
-    captured = Captured(traced, env, {}, env_to_named, [], [], {}, paths, {}, {})
-    captured.symbols = {name: named_symbol(name) for created, name in names.items() if created not in env.replacements}
-    captured.input_dims = {
-        (f"args[{i}]",): (captured.named(v) if isinstance(v, torch.SymInt) else tuple(captured.named(d) for d in v.shape))
-        for i, v in enumerate(inputs)
-        if isinstance(v, (torch.Tensor, torch.SymInt))
-    }
-    captured.guards = [
-        Guard(captured.named(g.expr), format_location(g.sloc.framework_loc))
-        for g in env.guards
-        if captured.named(g.expr) is not sympy.true
-    ]
-    captured.assumptions_at_capture = captured.assumptions()
-    return captured
+    public = functools.partial(in_public_symbols, env, env_to_named)
+    return Captured(
+        graph_module=traced,
+        shape_env=env,
+        symbols={name: named_symbol(name) for created, name in names.items() if created not in env.replacements},
+        env_to_named=env_to_named,
+        guards=guards_of(env, env_to_named),
+        input_dims={
+            (f"args[{i}]",): (public(v) if isinstance(v, torch.SymInt) else tuple(public(d) for d in v.shape))
+            for i, v in enumerate(inputs)
+            if isinstance(v, (torch.Tensor, torch.SymInt))
+        },
+        placeholder_paths=[(f"args[{i}]",) for i in range(len(inputs))],  # every argument is a placeholder
+    )
 
 
 def _described(exc: Exception) -> str:

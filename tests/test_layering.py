@@ -8,7 +8,11 @@ run time), except those under ``if TYPE_CHECKING:`` (annotations only). Stages, 
 - ``rules/``: per-op FLOPs rules, pure functions of shapes: rules and errors only;
 - ``capture/``: model + call -> symbolic graph: capture, errors and nothing above it (no rules, no
   program, no meter, not the package root);
-- the rest builds on them (analysis and program, binder, meter, instrument, integrations, CLI).
+- ``analysis/``: the rules applied to a capture's nodes: analysis, capture, rules;
+- ``program.py``: the compiled polynomials: the analysis, the binder and what says which calls a
+  program serves (``call_keys``, ``situation``), and the views it hands itself to (``report``,
+  ``plot``, ``scaling``, which import it only for type annotations);
+- the rest builds on them (build, meter, instrument, adapters, integrations, CLI).
 """
 
 from __future__ import annotations
@@ -110,6 +114,49 @@ def test_rules_import_only_rules():
 
 def test_capture_imports_nothing_above_it():
     assert _violations("fxflops.capture", ("fxflops.capture",)) == {}
+
+
+def test_analysis_imports_only_capture_and_rules():
+    assert _violations("fxflops.analysis", ("fxflops.analysis", "fxflops.capture", "fxflops.rules")) == {}
+
+
+PROGRAM_MAY_IMPORT = (
+    "fxflops.analysis", "fxflops.capture", "fxflops.rules", "fxflops.binder", "fxflops.call_keys",
+    "fxflops.situation", "fxflops.report", "fxflops.plot", "fxflops.scaling",
+)
+
+
+def test_program_imports_nothing_above_it():
+    assert _violations("fxflops.program", PROGRAM_MAY_IMPORT) == {}
+    for view in ("fxflops.report", "fxflops.plot", "fxflops.scaling", "fxflops.binder", "fxflops.situation"):
+        assert _violations(view, PROGRAM_MAY_IMPORT) == {}, view
+
+
+def test_the_package_root_exports_only_public_names():
+    """``fxflops.<name>`` is a name of ``__all__`` or a submodule, never an import that leaked."""
+    import types
+
+    leaked = {
+        name for name, value in vars(fxflops).items()
+        if not name.startswith("__") and name not in fxflops.__all__ and not isinstance(value, types.ModuleType)
+    }
+    assert leaked == set()
+    assert all(hasattr(fxflops, name) for name in fxflops.__all__)
+
+
+def _function_lengths(package: Path) -> dict[str, int]:
+    found = {}
+    for path in package.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                found[f"{path.relative_to(ROOT)}:{node.name}"] = node.end_lineno - node.lineno + 1
+    return found
+
+
+def test_the_analysis_stage_is_small_pieces():
+    """No function of the analysis stage over 40 lines; ``program.py`` at most 470 (issue 16)."""
+    assert {name: n for name, n in _function_lengths(ROOT / "analysis").items() if n > 40} == {}
+    assert len((ROOT / "program.py").read_text().splitlines()) <= 470
 
 
 def test_the_graph_sees_imports_inside_functions_and_skips_type_only_ones():

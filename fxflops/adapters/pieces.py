@@ -21,6 +21,13 @@ capture, in the capturing thread only (``capture/scope.py``). Inside one of them
   ``x.flatten(0, 1)`` (its ``len()`` raises ``TypeError``, so that ``list()`` iterates instead of
   asking for a number).
 
+In the graph (Qwen2-VL, ``P`` packed patches of ``images`` images)::
+
+    before (cannot trace):  sizes = (grid.prod(-1) // 4).tolist()     # a list of `images` numbers
+                            pieces = torch.split(features, sizes)     # `images` nodes
+                            embeds = torch.cat(pieces)                # [P // 4, D]
+    after:                  embeds = features                         # the one piece, [P // 4, D]
+
 Any other use of the placeholder (indexing it, zipping it with per-image data) raises
 :class:`~fxflops.errors.CaptureError` naming the feature getter, so a model that needs the pieces one
 by one is refused rather than counted wrong. Nested captures (a lifted module's one-segment trace)

@@ -19,6 +19,12 @@ matching module's ``forward`` is temporarily replaced by a stand-in that:
    forward, or an activation checkpoint's recompute), its backward once for each call whose markers'
    backward ran (``fxflops::per_segment_grad`` nodes carry the call's number).
 
+In the outer graph (``capture/markers.py`` has the marker ops)::
+
+    before (cannot trace):  out = blocks.0.attn(x, cu_seqlens)   # splits q, k, v by cu_seqlens.tolist()
+    after:                  out = fxflops.per_segment(x, cu_seqlens, [P, D], float32, True, 0)
+    and, traced apart:      blocks.0.attn on one segment of length s -> P(s) = 4·D·s² + 8·D²·s
+
 Modules of one type and parameter shapes called the same way are traced once. Conditions on ``s``
 alone that the one-segment trace relies on (``s > 1``) are checked on every segment of a batch;
 conditions involving other sizes are refused.

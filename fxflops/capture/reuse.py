@@ -4,7 +4,14 @@ Symbolic tracing costs about a millisecond per op, so a 24-layer model spends mo
 re-tracing the same layer. During a capture, every child of an ``nn.ModuleList`` is wrapped: the
 first call of each kind of layer runs for real (the *template*); a later layer whose call matches a
 template's exactly runs as :func:`repeat_marker` nodes shaped like the template's outputs, and the
-Program bills it the template's terms under its own path (``Program`` docstring).
+analysis bills it the template's terms under its own path (``analysis/lifted.py``).
+
+In the graph (``capture/markers.py`` has the marker ops)::
+
+    before:  h1 = layers.0(h0)   # its ops: q/k/v/o projections, attention, MLP, norms
+             h2 = layers.1(h1)   # the same ops again
+    after:   h1 = layers.0(h0)   # traced: the template
+             h2 = fxflops.repeat_layer(h1, [B, S, D], float32, "layers.1")   # billed as layers.0's terms
 
 "Matches exactly" is deliberately strict, because a wrong match would be a silently wrong count:
 

@@ -1,0 +1,144 @@
+"""The capture's symbols: one per requested dim name, the fake inputs of those sizes, the
+integers argument objects hold, and what the model's code did to them (pins, guards).
+
+Every symbol is created in the capture's own :class:`BlamingShapeEnv` with ``DYNAMIC`` and
+``do_not_specialize_zero_one`` so that equal example sizes never merge and size-1 examples stay free;
+the public symbol of a name is a positive integer sympy symbol of that name (:func:`named_symbol`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import sympy
+import torch
+from torch._dynamo.source import ConstantSource
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import DimDynamic
+
+from fxflops.capture.inputs import DimSpec, Path, held_root, path_label, reach
+from fxflops.capture.shape_env import BlamingShapeEnv, format_location
+from fxflops.errors import InputError, PinnedSymbolError
+
+
+def named_symbol(name: str) -> sympy.Symbol:
+    """The public symbol for a size called ``name``: a positive integer."""
+    return sympy.Symbol(name, integer=True, positive=True)
+
+
+@dataclass(frozen=True)
+class Guard:
+    """A condition on the symbols that the trace relied on, and the model line that made it."""
+
+    expr: sympy.Basic
+    location: str
+
+    def __str__(self) -> str:
+        return f"{self.expr}  ({self.location})"
+
+
+def symbolic_inputs(
+    env: BlamingShapeEnv,
+    mode: FakeTensorMode,
+    tensors: dict[Path, torch.Tensor],
+    specs: list[DimSpec],
+) -> tuple[dict[Path, torch.Tensor], dict[str, sympy.Symbol]]:
+    """Fake tensors for ``tensors`` whose spec'd dims are SymInts (one symbol per distinct name)."""
+    by_name: dict[str, tuple[Any, int]] = {}
+    sizes: dict[Path, list[Any]] = {path: list(t.shape) for path, t in tensors.items()}
+    for spec in specs:
+        example = tensors[spec.path].shape[spec.dim]
+        if spec.name not in by_name:
+            source = ConstantSource(spec.name)
+            sym = env.create_symbol(
+                example, source, DimDynamic.DYNAMIC, positive=None, do_not_specialize_zero_one=True
+            )
+            by_name[spec.name] = (env.create_symintnode(sym, hint=example, source=source), example)
+        symint, first = by_name[spec.name]
+        if example != first:
+            raise InputError(
+                f"symbol {spec.name!r} names sizes {first} and {example} in the example call; "
+                "one symbol must have one value"
+            )
+        sizes[spec.path][spec.dim] = symint
+    fakes = {}
+    with mode:
+        for path, tensor in tensors.items():
+            fake = torch.empty(sizes[path], dtype=tensor.dtype, device=tensor.device)
+            if tensor.requires_grad:
+                fake.requires_grad_(True)
+            fakes[path] = fake
+    env_syms = {name: symint.node.expr for name, (symint, _) in by_name.items()}
+    return fakes, env_syms
+
+
+def symbolic_ints(env: BlamingShapeEnv, integers: dict[Path, int], env_syms: dict[str, sympy.Symbol]) -> dict[Path, Any]:
+    """A SymInt for every integer an argument object holds, named after its path (added to ``env_syms``)."""
+    symints = {}
+    for path, example in integers.items():
+        name = path_label(path)
+        source = ConstantSource(name)
+        sym = env.create_symbol(example, source, DimDynamic.DYNAMIC, positive=None, do_not_specialize_zero_one=True)
+        symints[path] = env.create_symintnode(sym, hint=example, source=source)
+        env_syms[name] = sym
+    return symints
+
+
+def check_free(env: BlamingShapeEnv, env_syms: dict[str, sympy.Symbol], strict: bool) -> dict:
+    """Raise if the model pinned or merged a requested symbol (``strict``), else report the pins."""
+    pinned = {}
+    for name, sym in env_syms.items():
+        target = env.replacements.get(sym)
+        vr = env.var_to_range.get(sym)
+        if target is None and vr is not None and vr.is_singleton():
+            target = sympy.Integer(int(vr.lower))
+        if target is None:
+            continue
+        pinned[name] = target
+        if strict:
+            where = format_location(
+                getattr(env.replacements_slocs.get(sym), "framework_loc", None)
+            )
+            what = (
+                f"fixed to {target}"
+                if not target.free_symbols
+                else f"tied to {target.xreplace({s: sympy.Symbol(n) for n, s in env_syms.items()})}"
+            )
+            raise PinnedSymbolError(
+                f"symbol {name!r} is not free: the model code {what} at {where}. "
+                f"Remove {name!r} from dims, or change the code so the size can vary."
+            )
+    return pinned
+
+
+def held_paths(tensors: dict[Path, Any]) -> list[Path]:
+    """The paths of the tensors held by argument objects, in input order."""
+    return [path for path in tensors if held_root(path) is not None]
+
+
+def held_inputs(named: dict[str, Any], fakes: dict[Path, torch.Tensor]) -> list[tuple[Any, Path, torch.Tensor]]:
+    """(the object in the trace's own copy of the call, the steps below it, the fake) for every tensor
+    an argument object holds (see :func:`trace_graph`)."""
+    held = []
+    for path in held_paths(fakes):
+        root = held_root(path)
+        held.append((reach(named[path[0]], path[1 : root + 1]), path[root + 1 :], fakes[path]))
+    return held
+
+
+def in_public_symbols(env: BlamingShapeEnv, env_to_named: dict[sympy.Symbol, sympy.Symbol], expr: Any) -> sympy.Expr:
+    """A ShapeEnv expression (SymInt or sympy) in the public symbols, replacements applied."""
+    if isinstance(expr, torch.SymInt):
+        expr = expr.node.expr
+    return env.replace(sympy.sympify(expr)).xreplace(env_to_named)
+
+
+def guards_of(env: BlamingShapeEnv, env_to_named: dict[sympy.Symbol, sympy.Symbol]) -> list[Guard]:
+    """The conditions the trace relied on, in the public symbols, each with the model line that made it."""
+    guards = []
+    for guard in env.guards:
+        expr = in_public_symbols(env, env_to_named, guard.expr)
+        if expr is not sympy.true:
+            guards.append(Guard(expr, format_location(guard.sloc.framework_loc)))
+    return guards
