@@ -512,3 +512,27 @@ def test_per_use_rules_override_a_built_in_rule_in_this_thread_only():
     worker.join(60)
     assert custom.total(rows=7) == 7 * 20
     assert seen["other"] == 2 * 7 * 12 * 20 == fxflops.trace(model, (x,), dims={"input": {0: "rows"}}).total(rows=7)
+
+
+def test_a_failing_rule_names_the_op_the_module_and_the_graph_node():
+    """A rule that raises is reported as FX reports a failing node: op, module path, and the node
+    (``node.format_node()``), with the rule's own message and the original exception chained."""
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(12, 20, bias=False)
+
+        def forward(self, x):
+            return self.proj(x)
+
+    def refusing(*args, out_shape=None, **kwargs):
+        raise ValueError("this rule refuses its input")
+
+    model = nn.Sequential(Block())
+    with pytest.raises(fxflops.CaptureError) as caught:
+        fxflops.trace(model, (torch.randn(7, 12),), dims={"input": {0: "rows"}}, rules={torch.ops.aten.mm: refusing})
+    message = str(caught.value)
+    assert "aten.mm" in message and "'0.proj'" in message and "this rule refuses its input" in message
+    assert "While analysing graph node %mm" in message and "torch.ops.aten.mm" in message
+    assert isinstance(caught.value.__cause__, ValueError)
