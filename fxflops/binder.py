@@ -31,6 +31,7 @@ from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP
 from torch.utils._sympy.printers import PythonPrinter
 
 from fxflops.capture.inputs import Attr, Path, bind_call, path_label
+from fxflops.analysis.masks import KeptPairs
 from fxflops.analysis.segments import ELEMENT, Family, column
 from fxflops.errors import InputError, MetadataError
 
@@ -106,6 +107,7 @@ class Binder:
         stats: dict[sympy.Symbol, tuple[Family, int]] | None = None,
         strict_metadata: bool = False,
         flags: dict[str, sympy.Symbol] | None = None,
+        kept_pairs: dict[sympy.Symbol, KeptPairs] | None = None,
     ) -> None:
         self._signature = inspect.signature(forward)
         self._forward = forward
@@ -116,6 +118,7 @@ class Binder:
         # per segment family (by name): the symbol whose value is 1 when this call's metadata on a
         # device is malformed, and VALID: 0 when any is (see ``_stat_lines``)
         self.flags = flags or {}
+        self.kept_pairs = kept_pairs or {}  # attention masks' kept triples, from their padding inputs
         # CPU metadata is read on the host (no device involved). False computes it with tensor ops
         # as on an accelerator: the same code path, so it can be checked on a CPU-only machine.
         self.host_metadata = True
@@ -225,6 +228,21 @@ class Binder:
             lines.append(f"    {var[VALID]} = {valid}")
         return lines
 
+    def _pair_lines(self, positions: dict[str, str], var: dict[sympy.Symbol, str]) -> list[str]:
+        """Code computing each kept-pairs statistic (``analysis/masks.py``): Σ over rows b and keys
+        k < K of [padding[b, k] ≠ 0] · clamp(Q + offset − k, 0, Q), with tensor ops on the padding
+        input's device (a 0-d tensor there; read as an int on the CPU: no sync)."""
+        lines = []
+        for j, (sym, pairs) in enumerate(sorted(self.kept_pairs.items(), key=lambda item: str(item[0]))):
+            if pairs.padding[0] not in positions:
+                raise InputError(f"the call lacks input {path_label(pairs.padding)!r} that the attention mask is built from")
+            queries, keys, offset = (python_source(e, var) for e in (pairs.queries, pairs.keys, pairs.offset))
+            lines.append(f"    _q{j} = {self._accessor(pairs.padding, positions)}")
+            lines.append(f"    _k{j} = torch.arange({keys}, device=_q{j}.device)")
+            lines.append(f"    {var[sym]} = ((_q{j}[:, :{keys}] != 0).long() * ({queries} + {offset} - _k{j}).clamp(0, {queries})).sum()")
+            lines.append(f"    if _q{j}.is_cpu and _binder.host_metadata: {var[sym]} = int({var[sym]})")
+        return lines
+
     @staticmethod
     def _malformed(f: int, family: Family, packed: list[str], covered: list[str]) -> str:
         """Source of a 0-d int64 tensor on the metadata's device: 1 when the host checks would fail
@@ -273,12 +291,12 @@ class Binder:
                 test = " or ".join(f"t{j}[{d}] != {python_source(e, var)}" for d, e in expected.items())
                 wants = ", ".join(f"({d}, {python_source(e, var)}, {str(e)!r})" for d, e in expected.items())
                 checks.append(f"    if {test}: _fail_dims({label!r}, t{j}, ({wants},))")
-        computed = set(self.stats) | set(self.flags.values()) | ({VALID} if self.flags else set())
+        computed = set(self.stats) | set(self.kept_pairs) | set(self.flags.values()) | ({VALID} if self.flags else set())
         unread = [str(s) for s in self.symbols if s not in reads and s not in computed]
         if unread:
             raise InputError(f"no input dimension carries symbol(s) {unread}")
         # all reads first (shape lookups), then the checks that may use any symbol, then segments
-        body = lines + checks + self._stat_lines(positions, var)
+        body = lines + checks + self._stat_lines(positions, var) + self._pair_lines(positions, var)
         body.append(f"    return ({', '.join(var[s] for s in self.symbols)}{',' if self.symbols else ''})")
         source = "def read(args, kwargs):\n" + "\n".join(body) + "\n"
         scope = generated(

@@ -7,8 +7,10 @@ A :class:`Convention` is applied when a Program is evaluated (the capture is the
   reductions with the documented per-op costs of ``fxflops/rules/elementwise.py``.
 * ``causal``: ``"full"`` counts causal attention as dense (FlopCounterMode, PaLM, torchtitan);
   ``"half"`` as s²/2 (Megatron); ``"exact"`` as the s(s+1)/2 query-key pairs the mask keeps. The op
-  must say it is causal (``is_causal=True``, varlen ``causal=True``); masks it cannot read (a dense
-  mask tensor, a flex block mask) are counted dense and reported in ``program.notes``.
+  must say it is causal (``is_causal=True``, varlen ``causal=True``) or be given a causal mask built
+  in the graph from positions, with or without padding (``analysis/masks.py``: what an HF model
+  builds from ``attention_mask``; ``exact`` then counts the triples it keeps); masks it cannot read
+  (any other mask tensor, a flex block mask) are counted dense and reported in ``program.notes``.
 * ``embeddings``: count embedding gathers (one FLOP per gathered element) or not.
 * ``backward``: ``"traced"`` (the backward graph autograd really runs; needs ``backward=True`` at
   capture) or ``"2x"`` (twice the forward, as formula-based tools assume).

@@ -163,9 +163,11 @@ class Program:
         analysis = analyze(captured, segments)
         # device metadata is checked on the device: a flag per family, and VALID, 0 for a malformed call
         flags = (*analysis.flags.values(), *((VALID,) if analysis.flags else ()))
-        symbols = tuple(sorted([*captured.symbols.values(), *analysis.power_sums, *flags], key=str))
+        symbols = tuple(sorted([*captured.symbols.values(), *analysis.power_sums, *analysis.kept_pairs, *flags], key=str))
         forward = model.forward if isinstance(model, torch.nn.Module) else model
-        binder = Binder(forward, captured.input_dims, symbols, analysis.power_sums, strict_metadata, analysis.flags)
+        binder = Binder(
+            forward, captured.input_dims, symbols, analysis.power_sums, strict_metadata, analysis.flags, analysis.kept_pairs
+        )
         modules = isinstance(model, torch.nn.Module)
         # the model state the trace depended on (fxflops/situation.py)
         state = ModelState(model, captured.reads, captured.copies, captured.grad, captured.constants()) if modules else None
@@ -387,7 +389,7 @@ class Program:
         return {str(sym): (family.name, k) for sym, (family, k) in self.binder.stats.items()}
 
     def describe_symbols(self) -> dict[str, str]:
-        """What each symbol means: an input dimension or a segment power sum."""
+        """What each symbol means: an input dimension, a segment power sum or a mask's kept pairs."""
         meaning = {}
         for path, exprs in self.binder.dim_exprs.items():
             for d, expr in enumerate(exprs):
@@ -396,6 +398,8 @@ class Program:
         families = {family.name: family for family in self.families}
         for name, (family, k) in self.power_sums.items():
             meaning[name] = f"Σᵢ sᵢ^{k} over {families[family].describe()}"
+        for sym, pairs in self.binder.kept_pairs.items():
+            meaning[str(sym)] = f"(batch, query, key) triples a causal attention mask keeps for non-zero {path_label(pairs.padding)}"
         return {str(s): meaning.get(str(s), "") for s in self.symbols}
 
     # ---- reporting -----------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import sympy
 
 from fxflops.analysis.lifted import repeated_terms
+from fxflops.analysis.masks import KeptPairs
 from fxflops.analysis.moe import expert_modules
 from fxflops.analysis.nodes import NodeRules
 from fxflops.analysis.paths import inside, moved
@@ -32,7 +33,9 @@ class Analysis:
     ``terms`` and ``unsupported`` per graph node (reused layers' copies included); ``notes`` on how
     some ops were counted; ``families`` the segment families the terms use and ``power_sums`` their
     symbols, ``{pₖ symbol: (family, k)}``; ``flags`` a malformed-metadata symbol per family name;
-    ``experts`` the mixture-of-experts expert modules; ``reused`` layer -> the traced layer it repeats.
+    ``experts`` the mixture-of-experts expert modules; ``reused`` layer -> the traced layer it repeats;
+    ``kept_pairs`` the symbols of attention masks' kept (batch, query, key) triples that depend on a
+    padding input (``masks.py``), which the binder computes per call.
     """
 
     terms: list[Term]
@@ -43,6 +46,7 @@ class Analysis:
     flags: dict[str, sympy.Symbol]
     experts: tuple[str, ...]
     reused: dict[str, str]
+    kept_pairs: dict[sympy.Symbol, KeptPairs]
 
 
 def _warn_unsupported(unsupported: list[Unsupported]) -> None:
@@ -67,8 +71,9 @@ def analyze(captured: Captured, segment_names: dict[str, str] | None = None) -> 
     input they come from (``{"cu_seqlens": "text"}``)."""
     graph = captured.graph_module.graph
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
-    segments = SegmentAnalysis(graph, dict(zip(placeholders, captured.placeholder_paths)), segment_names or {})
-    found = NodeRules(graph, captured.named, set(captured.symbols.values()), segments, captured.lifted).run()
+    paths = dict(zip(placeholders, captured.placeholder_paths))
+    segments = SegmentAnalysis(graph, paths, segment_names or {})
+    found = NodeRules(graph, captured.named, set(captured.symbols.values()), segments, captured.lifted, placeholders=paths).run()
     if captured.assumptions() != captured.assumptions_at_capture:
         raise CaptureError("internal error: the FLOPs analysis added a guard on the traced sizes; please report")
     _warn_unsupported(found.unsupported)
@@ -84,6 +89,7 @@ def analyze(captured: Captured, segment_names: dict[str, str] | None = None) -> 
         flags={name: sympy.Symbol(f"malformed_{path_label(by_name[name].source)}") for name in used},
         experts=_experts(captured),
         reused=dict(captured.reused),
+        kept_pairs=found.kept_pairs,
     )
 
 

@@ -1,10 +1,34 @@
-"""What an attention node says about its mask: causal flags, and masks fxflops cannot read."""
+"""What an attention node says about its mask: causal flags, masks read from the graph, and notes
+on masks fxflops cannot read.
+
+A model that hands its attention kernel a mask tensor usually builds it in the traced graph from
+positions: Hugging Face's ``masking_utils`` turns ``kv_idx <= q_idx`` and
+``attention_mask[batch_idx, kv_idx]`` into ``arange`` tensors, comparisons and an ``index`` of the
+padding vector, then ``where(keep, 0, -inf)``::
+
+    q = arange(Q)[None, None, :, None] + past      k = arange(K)[None, None, None, :]
+    keep = ones() & (k <= q) & attention_mask.bool()[arange(B)[:, None, None, None], k]
+    attn_mask = where(keep, 0.0, -inf)             # -> scaled_dot_product_attention(..., attn_mask)
+
+:class:`MaskReader` follows that slice by abstract interpretation (as ``segments.py`` follows the
+offsets): each value is a :class:`Position` (an integer tensor whose element is its index along one
+axis plus an offset), a :class:`Keep` (a boolean tensor: a conjunction of linear conditions on the
+positions and lookups of input tensors at positions), an input or a scalar. :func:`read_causal`
+recognises the conjunction "key ≤ query + c", optionally with "the padding input is non-zero at
+(batch, key)": a :class:`CausalMask`. Anything else stays unread: counted dense, with a note.
+"""
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import Any
 
+import sympy
 import torch
+
+from fxflops.capture.graph import op_name
+from fxflops.capture.inputs import Path
 
 _MASK_ARGUMENTS = ("attn_mask", "attn_bias")
 _CAUSAL_ARGUMENTS = ("is_causal", "causal")
@@ -24,6 +48,12 @@ def is_causal(node: torch.fx.Node) -> bool:
     return any(given.get(name) is True for name in _CAUSAL_ARGUMENTS)
 
 
+def mask_argument(node: torch.fx.Node) -> torch.fx.Node | None:
+    """The mask tensor an attention node is given (``attn_mask`` / ``attn_bias``), if any."""
+    given = given_arguments(node)
+    return next((given[name] for name in _MASK_ARGUMENTS if isinstance(given.get(name), torch.fx.Node)), None)
+
+
 def mask_notes(node: torch.fx.Node, path: str) -> list[str]:
     """Attention given a mask fxflops cannot read (a dense mask tensor, a flex block mask) is counted
     as dense work, under every convention; say so."""
@@ -39,3 +69,242 @@ def mask_notes(node: torch.fx.Node, path: str) -> list[str]:
         for name in _MASK_ARGUMENTS
         if isinstance(given.get(name), torch.fx.Node)
     ]
+
+
+def axis(a: int) -> sympy.Symbol:
+    """The index along the ``a``-th dim counted from the last one (0: keys, 1: queries, 3: batch)."""
+    return sympy.Symbol(f"x{a}", integer=True, nonnegative=True)
+
+
+@dataclass(frozen=True)
+class Position:
+    """An integer tensor whose element is its index along ``axis`` (from the last dim) + ``offset``."""
+
+    axis: int
+    offset: sympy.Expr
+
+    @property
+    def value(self) -> sympy.Expr:
+        return axis(self.axis) + self.offset
+
+
+@dataclass(frozen=True)
+class Keep:
+    """A boolean tensor, true where every relation ``r ≤ 0`` holds and every looked-up input is
+    non-zero (``lookups``: (input path, its index per dim, in the axes))."""
+
+    relations: frozenset[sympy.Expr] = frozenset()
+    lookups: frozenset[tuple[Path, tuple[sympy.Expr, ...]]] = frozenset()
+
+    def __and__(self, other: Keep) -> Keep:
+        return Keep(self.relations | other.relations, self.lookups | other.lookups)
+
+
+@dataclass(frozen=True)
+class Input:
+    """An integer or boolean input tensor, or a view of it broadcast into more dims: element
+    ``input[index]`` (``index``: per input dim, in the axes). ``as_bool``: read as "non-zero"."""
+
+    path: Path
+    as_bool: bool
+    index: tuple[sympy.Expr, ...]
+
+    @classmethod
+    def of(cls, path: Path, as_bool: bool, rank: int) -> Input:
+        return cls(path, as_bool, tuple(axis(rank - 1 - d) for d in range(rank)))
+
+    @property
+    def natural(self) -> bool:
+        """Not viewed: its dims are its own axes."""
+        return self.index == Input.of(self.path, self.as_bool, len(self.index)).index
+
+
+@dataclass(frozen=True)
+class CausalMask:
+    """Keeps key ``k`` for query ``q`` when ``k ≤ q + offset`` and (with ``padding``) the padding
+    input is non-zero at (batch, k)."""
+
+    offset: sympy.Expr
+    padding: Path | None
+
+
+_SAME = {"expand", "clone", "alias", "contiguous", "lift_fresh_copy", "detach", "_assert_tensor_metadata"}
+_COMPARISONS = {"le": (1, 0), "lt": (1, 1), "ge": (-1, 0), "gt": (-1, 1)}  # a OP b -> sign·(a − b) + strict ≤ 0
+_NEGATIVE_INFINITY = -1e30  # a where() branch at least this negative drops the entry (-inf, finfo.min)
+
+
+@dataclass(frozen=True)
+class KeptPairs:
+    """Σ over batch rows b and keys k < ``keys`` of [padding[b, k] ≠ 0] · #{q < ``queries`` :
+    k ≤ q + ``offset``}: the query-key pairs a causal mask with padding keeps. Its value is data; the
+    binder computes it from the padding input with tensor ops on that input's device."""
+
+    padding: Path
+    queries: sympy.Expr
+    keys: sympy.Expr
+    offset: sympy.Expr
+
+
+def pairs_kept(mask: CausalMask, batch: sympy.Expr, queries: sympy.Expr, keys: sympy.Expr) -> sympy.Expr | KeptPairs | None:
+    """The (batch, query, key) triples ``mask`` keeps. Without padding, for the usual alignment of the
+    last query with the last key (offset = keys − queries: a prefill, a decode step after a cache):
+    B · Σ_k min(Q, K − k) = B·(Q·K − Q(Q−1)/2); other offsets are not summed (None)."""
+    if mask.padding is not None:
+        return KeptPairs(mask.padding, queries, keys, mask.offset)
+    if sympy.simplify(mask.offset - (keys - queries)) != 0:
+        return None
+    return sympy.expand(batch * (queries * keys - queries * (queries - 1) / 2))
+
+
+def _relation(value: Any) -> sympy.Expr | None:
+    if isinstance(value, Position):
+        return value.value
+    if isinstance(value, (int, sympy.Expr)) and not isinstance(value, bool):
+        return sympy.sympify(value)
+    return None
+
+
+def _as_keep(value: Any) -> Keep | None:
+    """A boolean value as a conjunction: a Keep, or an input read as non-zero at its index."""
+    if isinstance(value, Input) and value.as_bool:
+        return Keep(lookups=frozenset({(value.path, value.index)}))
+    return value if isinstance(value, Keep) else None
+
+
+class MaskReader:
+    """Abstract values of the graph slice that builds attention masks (module docstring), computed
+    on demand from the mask node back to the call's inputs. ``placeholders`` maps graph inputs to
+    their paths; ``named`` puts a traced size in the public symbols."""
+
+    def __init__(self, placeholders: dict[torch.fx.Node, Path], named: Any) -> None:
+        self.placeholders = placeholders
+        self.named = named
+        self._values: dict[torch.fx.Node, Any] = {}
+
+    def value(self, node: Any) -> Any:
+        if isinstance(node, (list, tuple)):
+            return [self.value(n) for n in node]
+        if not isinstance(node, torch.fx.Node):
+            return node
+        if node not in self._values:
+            self._values[node] = None  # a node is never its own input; this guards the recursion anyway
+            self._values[node] = self._transfer(node)
+        return self._values[node]
+
+    def _transfer(self, node: torch.fx.Node) -> Any:
+        val = node.meta.get("val")
+        if isinstance(val, torch.SymInt):
+            return self.named(val)
+        if node.op == "placeholder":
+            floating = not isinstance(val, torch.Tensor) or val.dtype.is_floating_point
+            return None if floating or node not in self.placeholders else Input.of(self.placeholders[node], val.dtype == torch.bool, val.dim())
+        if node.op != "call_function" or not isinstance(val, torch.Tensor):
+            return None
+        rule = getattr(self, f"_on_{op_name(node.target)}", None)
+        if rule is None and op_name(node.target) in _SAME:
+            rule = MaskReader._on_same
+        return None if rule is None else rule(node, [self.value(a) for a in node.args], val)
+
+    @staticmethod
+    def _on_same(node: torch.fx.Node, args: list, val: torch.Tensor) -> Any:
+        return args[0] if isinstance(args[0], (Position, Keep, Input)) else None
+
+    def _on_arange(self, node: torch.fx.Node, args: list, val: torch.Tensor) -> Position | None:
+        start = args[0] if len(args) > 1 else 0
+        step = args[2] if len(args) > 2 else 1
+        return Position(0, sympy.sympify(start)) if step == 1 and val.dim() == 1 else None
+
+    def _on_add(self, node: torch.fx.Node, args: list, val: torch.Tensor, sign: int = 1) -> Position | None:
+        position, other = args[0], args[1] if len(args) > 1 else None
+        alpha = node.kwargs.get("alpha", 1)
+        if isinstance(position, Position) and _relation(other) is not None and not isinstance(other, Position):
+            return Position(position.axis, sympy.expand(position.offset + sign * alpha * _relation(other)))
+        return None
+
+    def _on_sub(self, node: torch.fx.Node, args: list, val: torch.Tensor) -> Position | None:
+        return self._on_add(node, args, val, sign=-1)
+
+    def _on_unsqueeze(self, node: torch.fx.Node, args: list, val: torch.Tensor) -> Any:
+        """A new dim at ``dim``: the axes left of it are one further from the last dim."""
+        value, dim, rank = args[0], args[1] % val.dim(), val.dim() - 1
+        shifted = {axis(a): axis(a + 1) for a in range(rank) if rank - 1 - a < dim}
+        if isinstance(value, Position):
+            return Position(value.axis + (axis(value.axis) in shifted), value.offset)
+        if isinstance(value, Keep):
+            lookups = {(path, tuple(i.xreplace(shifted) for i in index)) for path, index in value.lookups}
+            return Keep(frozenset(r.xreplace(shifted) for r in value.relations), frozenset(lookups))
+        if isinstance(value, Input):
+            return Input(value.path, value.as_bool, tuple(i.xreplace(shifted) for i in value.index))
+        return None
+
+    def _on_slice(self, node: torch.fx.Node, args: list, val: torch.Tensor) -> Any:
+        """A slice that keeps its whole dim: start 0, step 1, end at or past the dim's size."""
+        dim = args[1] if len(args) > 1 else 0
+        start, end = (args[2] if len(args) > 2 else 0), (args[3] if len(args) > 3 else None)
+        step = args[4] if len(args) > 4 else 1
+        size = self.named(node.args[0].meta["val"].shape[dim])
+        whole = end is None or (isinstance(end, int) and end >= 2**62) or sympy.simplify(sympy.sympify(end) - size) == 0
+        return args[0] if isinstance(args[0], (Position, Keep, Input)) and start in (0, None) and step == 1 and whole else None
+
+    def _on__to_copy(self, node: torch.fx.Node, args: list, val: torch.Tensor) -> Any:
+        value = args[0]
+        if isinstance(value, Input):
+            return Input(value.path, value.as_bool or val.dtype == torch.bool, value.index)
+        if isinstance(value, Keep) and val.dtype == torch.bool:
+            return value
+        return value if isinstance(value, Position) and not val.dtype.is_floating_point else None
+
+    def _on_compare(self, node: torch.fx.Node, args: list, val: torch.Tensor) -> Keep | None:
+        sign, strict = _COMPARISONS[op_name(node.target)]
+        a, b = (_relation(v) for v in args[:2])
+        if a is None or b is None or not any(isinstance(v, Position) for v in args[:2]):
+            return None
+        return Keep(relations=frozenset({sympy.expand(sign * (a - b) + strict)}))
+
+    _on_le = _on_lt = _on_ge = _on_gt = _on_compare
+
+    def _on_ones(self, node: torch.fx.Node, args: list, val: torch.Tensor) -> Keep | None:
+        return Keep() if val.dtype == torch.bool else None
+
+    _on_new_ones = _on_ones
+
+    def _on_bitwise_and(self, node: torch.fx.Node, args: list, val: torch.Tensor) -> Keep | None:
+        a, b = (_as_keep(v) for v in args[:2])
+        return a & b if a is not None and b is not None and val.dtype == torch.bool else None
+
+    _on_logical_and = _on_mul = _on_bitwise_and
+
+    def _on_index(self, node: torch.fx.Node, args: list, val: torch.Tensor) -> Keep | None:
+        source, indices = args[0], args[1]
+        if not isinstance(source, Input) or not source.as_bool or not source.natural:
+            return None
+        if not all(isinstance(i, Position) for i in indices):
+            return None
+        if len(indices) != node.args[0].meta["val"].dim():
+            return None
+        return Keep(lookups=frozenset({(source.path, tuple(i.value for i in indices))}))
+
+    def _on_scalar_tensor(self, node: torch.fx.Node, args: list, val: torch.Tensor) -> float:
+        return float(args[0])
+
+    def _on_where(self, node: torch.fx.Node, args: list, val: torch.Tensor) -> Keep | None:
+        keep, kept, dropped = args[:3]
+        numbers = all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (kept, dropped))
+        if isinstance(keep, Keep) and numbers and kept == 0 and (dropped <= _NEGATIVE_INFINITY or math.isinf(dropped)):
+            return keep
+        return None
+
+
+def read_causal(reader: MaskReader, mask: torch.fx.Node) -> CausalMask | None:
+    """The mask as "key ≤ query + c" (and a padding input non-zero at (batch, key)), else None."""
+    keep, rank = reader.value(mask), mask.meta["val"].dim()
+    if not isinstance(keep, Keep) or len(keep.relations) != 1 or len(keep.lookups) > 1 or rank < 2:
+        return None
+    (relation,) = keep.relations  # key − query − c ≤ 0
+    offset = sympy.expand(axis(0) - axis(1) - relation)
+    if offset.free_symbols & {axis(a) for a in range(rank)}:
+        return None
+    if not keep.lookups:
+        return CausalMask(offset, None)
+    ((path, index),) = keep.lookups
+    return CausalMask(offset, path) if rank == 4 and index == (axis(3), axis(0)) else None

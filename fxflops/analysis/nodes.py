@@ -23,11 +23,14 @@ import torch
 from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from fxflops.analysis.lifted import per_segment_terms
-from fxflops.analysis.masks import is_causal, mask_notes
+from fxflops.analysis.masks import (
+    KeptPairs, MaskReader, given_arguments, is_causal, mask_argument, mask_notes, pairs_kept, read_causal,
+)
 from fxflops.analysis.moe import expert_modules, routed_rows_as_pairs, router_nodes
 from fxflops.analysis.paths import inside, join, module_path
 from fxflops.analysis.segments import ELEMENT, SegmentAnalysis
 from fxflops.analysis.terms import Term, Unsupported
+from fxflops.capture.inputs import Path, path_label
 from fxflops.capture.lifting import SEGMENT, Lifted
 from fxflops.capture.markers import is_marker, segment_backward_call, segment_output
 from fxflops.capture.phases import phase_of
@@ -44,6 +47,7 @@ class NodeTerms:
     terms: list[Term]
     unsupported: list[Unsupported]
     notes: list[str]
+    kept_pairs: dict[sympy.Symbol, KeptPairs]  # runtime statistics of masks read from the graph
 
 
 def as_rule_argument(value: Any, named: Callable[[Any], sympy.Expr]) -> Any:
@@ -105,6 +109,7 @@ class NodeRules:
         segments: SegmentAnalysis,
         lifted: dict[str, Lifted],
         prefix: str = "",
+        placeholders: dict[torch.fx.Node, Path] | None = None,
     ) -> None:
         self.graph, self.named, self.segments, self.lifted, self.prefix = graph, named, segments, lifted, prefix
         self.known = known
@@ -116,6 +121,8 @@ class NodeRules:
         self.routed: dict[str, set[sympy.Symbol]] = {}  # expert module -> data-dependent group sizes in its FLOPs
         self.backward_calls = {segment_backward_call(n) for n in graph.nodes} - {None}
         self.forward_module = _forward_modules(graph)
+        self.masks = MaskReader(placeholders or {}, named)
+        self.kept_pairs: dict[KeptPairs, sympy.Symbol] = {}
 
     def run(self) -> NodeTerms:
         for node in self.graph.nodes:
@@ -124,7 +131,7 @@ class NodeRules:
         if self.routed:
             pairs = {join(self.prefix, e): sympy.expand(self.named(math.prod(i.meta["val"].shape))) for e, i in self.experts.items()}
             self.terms = routed_rows_as_pairs(self.terms, self.routed, pairs)
-        return NodeTerms(self.terms, self.unsupported, self.notes)
+        return NodeTerms(self.terms, self.unsupported, self.notes, {sym: pairs for pairs, sym in self.kept_pairs.items()})
 
     def run_node(self, node: torch.fx.Node) -> None:
         phase = phase_of(node)
@@ -179,13 +186,16 @@ class NodeRules:
         kwargs = {k: as_rule_argument(v, self.named) for k, v in node.kwargs.items()}
         out_shape = as_rule_argument(node.meta.get("val"), self.named)
         flops, exact = self._apply(entry, node, path, args, kwargs, out_shape)
+        masked = self._masked_causal(node, path, flops) if entry.causal is not None and exact is None else None
+        exact = masked if masked is not None else exact
         unknown = (flops.free_symbols | (exact.free_symbols if exact is not None else set())) - self.known - self.segments.symbols()
+        unknown -= set(self.kept_pairs.values())
         if unknown:
             self._data_dependent(node, own, path, unknown)
         if flops != 0:
             term = Term(node.name, str(node.target), path, phase, flops, entry.kind, exact, router=node in self.routers)
             self.terms += _split_recompute(term, entry, args, kwargs, out_shape)
-            self.notes += mask_notes(node, path)
+            self.notes += mask_notes(node, path) if masked is None else []
 
     def _apply(
         self, entry: Entry, node: torch.fx.Node, path: str, args: list, kwargs: dict, out_shape: Any
@@ -204,6 +214,38 @@ class NodeRules:
         if causal and exact is None:
             self.notes.append(f"{path or '<root>'}: causal {node.target} with query and key lengths that differ is counted dense under every convention")
         return flops, None if exact is None else sympy.expand(sympy.sympify(exact))
+
+    def _masked_causal(self, node: torch.fx.Node, path: str, flops: sympy.Expr) -> sympy.Expr | None:
+        """The exact FLOPs of attention given a mask built in the graph that is causal (with or without
+        padding, ``masks.py``): the dense FLOPs, which are the same per (batch, query, key) triple,
+        times the triples the mask keeps over B·Q·K. None when the mask is not read."""
+        mask = mask_argument(node)
+        causal = read_causal(self.masks, mask) if mask is not None and not is_causal(node) else None
+        given = given_arguments(node)
+        if causal is None or not all(isinstance(given.get(n), torch.fx.Node) for n in ("query", "key")):
+            return None
+        query, key = (as_rule_argument(given[n], self.named) for n in ("query", "key"))
+        if len(query) != 4 or len(key) != 4:
+            return None
+        batch, queries, keys = query[0], query[2], key[2]
+        pairs = pairs_kept(causal, batch, queries, keys)
+        per_triple = sympy.cancel(flops / (batch * queries * keys))
+        if pairs is None or sympy.fraction(per_triple)[1].free_symbols:
+            return None
+        if isinstance(pairs, KeptPairs):
+            pairs = self._statistic(pairs)
+        padding = "" if causal.padding is None else f" and padding from {path_label(causal.padding)}"
+        self.notes.append(f"{path or '<root>'}: {node.target}'s mask is read from the graph as causal{padding}")
+        return sympy.expand(per_triple * pairs)
+
+    def _statistic(self, pairs: KeptPairs) -> sympy.Symbol:
+        """The runtime symbol of a kept-pairs statistic (one per padding input and shape)."""
+        if pairs not in self.kept_pairs:
+            base = f"{path_label(pairs.padding)}_kept_pairs"
+            taken = {str(s) for s in self.kept_pairs.values()}
+            name = base if base not in taken else f"{base}_{len(taken) + 1}"
+            self.kept_pairs[pairs] = sympy.Symbol(name, integer=True, nonnegative=True)
+        return self.kept_pairs[pairs]
 
     def _with_segments(self, node: torch.fx.Node, path: str, args: list, kwargs: dict) -> None:
         """Replace the offsets arguments of a varlen op (``segment_args``) by their segment families."""

@@ -1,0 +1,204 @@
+"""Attention masks read from the graph (issue 17, point 3).
+
+A Hugging Face text model called with ``attention_mask`` hands SDPA a mask tensor it built in the
+graph from ``arange`` comparisons (causal) and the padding vector. fxflops reads it: under
+``causal="half"`` (Megatron) the attention core is halved as for ``is_causal=True``, under
+``causal="exact"`` it is the (batch, query, key) triples the mask keeps — counted here by brute force
+over the mask, key by key — and the default convention keeps counting the dense work the kernel
+does (FlopCounterMode on the eager twin). A mask fxflops cannot read stays dense, with a note.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+import fxflops
+from fxflops.conventions import FLOPCOUNTER, MEGATRON
+
+transformers = pytest.importorskip("transformers")
+
+EXACT, HALF = FLOPCOUNTER.but(causal="exact"), FLOPCOUNTER.but(causal="half")
+HEADS, HEAD_DIM, LAYERS = 4, 8, 2
+
+
+def kept_triples(mask: torch.Tensor, queries: int, offset: int = 0) -> int:
+    """Brute force: (b, q, k) with k <= q + offset and mask[b, k] != 0."""
+    batch, keys = mask.shape
+    return sum(
+        1 for b in range(batch) for q in range(queries) for k in range(keys) if k <= q + offset and mask[b, k] != 0
+    )
+
+
+def attention_core(triples: int) -> int:
+    """Forward FLOPs of Q·Kᵀ and P·V over ``triples`` (batch, query, key) triples, every layer:
+    2·D each, per query head (FlopCounterMode's sdpa formula, per triple)."""
+    return LAYERS * HEADS * 4 * HEAD_DIM * triples
+
+
+def _text_model(kind: str, attn: str) -> nn.Module:
+    config_class, model_class = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+    }[kind]
+    config = config_class(
+        vocab_size=64, hidden_size=HEADS * HEAD_DIM, intermediate_size=64, num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS, num_key_value_heads=2, attn_implementation=attn,
+    )
+    torch.manual_seed(0)
+    return model_class(config)
+
+
+def _padded(rng: random.Random, batch: int, seq: int) -> torch.Tensor:
+    """A 0/1 mask with padding on the right, on the left, or none, row by row."""
+    mask = torch.zeros(batch, seq, dtype=torch.long)
+    for b in range(batch):
+        real = rng.randint(1, seq)
+        side = rng.choice(["right", "left", "none"])
+        if side == "right":
+            mask[b, :real] = 1
+        elif side == "left":
+            mask[b, seq - real :] = 1
+        else:
+            mask[b] = 1
+    return mask
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_a_causal_mask_with_padding_is_read_from_the_graph(kind):
+    model = _text_model(kind, "sdpa").eval()
+    eager = _text_model(kind, "eager").eval()
+    eager.load_state_dict(model.state_dict())
+    wrapper = fxflops.instrument(model, strict=True)
+    rng = random.Random(kind)
+    for batch, seq in [(2, 9), (3, 5), (1, 12), (2, 7)]:
+        ids, mask = torch.randint(0, 64, (batch, seq)), _padded(rng, batch, seq)
+        wrapper.flops.reset()
+        with torch.no_grad():
+            wrapper(input_ids=ids, attention_mask=mask)
+            with FlopCounterMode(display=False) as reference:
+                eager(input_ids=ids, attention_mask=mask)
+        dense, kept = attention_core(batch * seq * seq), attention_core(kept_triples(mask, seq))
+        full = wrapper.flops.total()
+        assert full == reference.get_total_flops()  # the default: the dense work the kernel does
+        assert full - wrapper.flops.total(convention=EXACT) == dense - kept
+        assert full - wrapper.flops.total(convention=HALF) == dense // 2
+        # Megatron (a forward: no backward ran): the attention core halved; causal="exact": the kept triples
+        megatron_full = wrapper.flops.total(convention=MEGATRON.but(causal="full"))
+        assert megatron_full - wrapper.flops.total(convention=MEGATRON) == dense // 2
+        assert megatron_full - wrapper.flops.total(convention=MEGATRON.but(causal="exact")) == dense - kept
+    assert wrapper.captures == 1
+    assert any("read from the graph as causal and padding from attention_mask" in n for n in wrapper.program.notes)
+    assert not any("counted as the dense work" in n for n in wrapper.program.notes)
+
+
+def test_training_bills_the_kept_triples_in_every_phase():
+    """Backward and the recompute inside a fused attention backward scale like the forward."""
+    model = _text_model("llama", "sdpa")
+    wrapper = fxflops.instrument(model, backward=True, strict=True)
+    ids, mask = torch.randint(0, 64, (2, 7)), torch.tensor([[1, 1, 1, 1, 1, 0, 0], [1] * 7])
+    wrapper(input_ids=ids, attention_mask=mask, labels=ids).loss.backward()
+    dense, kept = attention_core(2 * 7 * 7), attention_core(kept_triples(mask, 7))
+    megatron_full = wrapper.flops.total(convention=MEGATRON.but(causal="full"))  # backward: 2x the forward
+    assert megatron_full - wrapper.flops.total(convention=MEGATRON) == 3 * dense // 2
+    assert megatron_full - wrapper.flops.total(convention=MEGATRON.but(causal="exact")) == 3 * (dense - kept)
+    fwd, bwd, recompute = (wrapper.flops.total(ph) - wrapper.flops.total(ph, convention=EXACT) for ph in ("fwd", "bwd", "recompute"))
+    assert fwd == dense - kept
+    # FlopCounterMode's sdpa backward: 5/2 the forward's products, a fifth of them the recomputed Q·Kᵀ
+    assert bwd + recompute == 5 * fwd // 2 and 5 * recompute == bwd + recompute
+
+
+def test_the_kept_triples_on_a_device_are_summed_with_tensor_ops():
+    """The statistic as an accelerator computes it (tensor ops, no host read) equals the host's."""
+    model = _text_model("qwen2", "sdpa").eval()
+    wrapper = fxflops.instrument(model, strict=True)
+    ids, mask = torch.randint(0, 64, (3, 6)), torch.tensor([[1] * 6, [1, 1, 0, 0, 0, 0], [0, 0, 0, 1, 1, 1]])
+    with torch.no_grad():
+        wrapper(input_ids=ids, attention_mask=mask)
+        host = wrapper.flops.total(convention=EXACT)
+        wrapper.program.binder.host_metadata = False
+        wrapper.flops.reset()
+        wrapper(input_ids=ids, attention_mask=mask)
+    assert wrapper.flops.total(convention=EXACT) == host
+    assert wrapper.flops.total() - host == attention_core(3 * 36) - attention_core(kept_triples(mask, 6))
+
+
+def test_a_vlm_text_mask_is_read_too():
+    from fxflops.models import hf_zoo
+
+    model = hf_zoo.build("qwen2_vl", "sdpa")
+    wrapper = fxflops.instrument(model, strict=True)
+    text = model.config.get_text_config()
+    head_dim = text.hidden_size // text.num_attention_heads
+    for seed in (1, 2):
+        call = hf_zoo.random_batch("qwen2_vl", random.Random(seed))
+        wrapper.flops.reset()
+        with torch.no_grad():
+            wrapper(**call)
+        mask = call["attention_mask"]
+        batch, seq = mask.shape
+        per_triple = text.num_hidden_layers * text.num_attention_heads * 4 * head_dim
+        missing = batch * seq * seq - kept_triples(mask, seq)
+        assert wrapper.flops.total() - wrapper.flops.total(convention=EXACT) == per_triple * missing
+
+
+class _Masked(nn.Module):
+    """Single-head attention over ``x`` (B, S, D) with a mask it builds from positions."""
+
+    def __init__(self, kind: str, dim: int = 8):
+        super().__init__()
+        self.kind, self.proj = kind, nn.Linear(dim, 3 * dim, bias=False)
+
+    def forward(self, x, padding):
+        q, k, v = self.proj(x).unsqueeze(1).chunk(3, dim=-1)
+        if self.kind == "top-left":  # half the queries, seeing keys from the start: not aligned at the end
+            q = q[:, :, : q.shape[2] // 2]
+        queries, keys = q.shape[2], k.shape[2]
+        q_pos = torch.arange(queries, device=x.device)[:, None]
+        k_pos = torch.arange(keys, device=x.device)[None, :]
+        keep = k_pos <= q_pos
+        if self.kind == "sliding":
+            keep = keep & (q_pos - k_pos < 3)
+        if self.kind in ("causal", "sliding"):
+            mask = keep[None, None, :queries] & padding.bool()[:, None, None, :]
+        else:
+            mask = keep[None, None]
+        return nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def test_a_plain_model_building_its_own_causal_padding_mask_is_read():
+    model = _Masked("causal")
+    program = fxflops.trace(model, (torch.randn(2, 6, 8), torch.ones(2, 6, dtype=torch.long)), dims={"x": {0: "b", 1: "s"}, "padding": {0: "b", 1: "s"}})
+    wrapper = fxflops.instrument(model, dims={"x": {0: "b", 1: "s"}, "padding": {0: "b", 1: "s"}}, strict=True)
+    padding = torch.tensor([[1, 1, 1, 0, 0, 0, 0], [1] * 7, [0, 0, 1, 1, 1, 1, 1]])
+    wrapper(torch.randn(3, 7, 8), padding)
+    dense = wrapper.flops.total()
+    assert dense - wrapper.flops.total(convention=EXACT) == 4 * 8 * (3 * 49 - kept_triples(padding, 7))
+    assert "padding_kept_pairs" in {str(s) for s in program.all_symbols}
+
+
+@pytest.mark.parametrize("kind", ["sliding", "top-left"])
+def test_a_mask_fxflops_cannot_read_stays_dense_and_noted(kind):
+    """A sliding window (two conditions) and a causal mask whose queries and keys are not aligned at
+    the end are not read: every convention counts the dense work, and a note says so."""
+    model = _Masked(kind)
+    wrapper = fxflops.instrument(model, dims={"x": {0: "b", 1: "s"}, "padding": {0: "b", 1: "s"}}, strict=True)
+    wrapper(torch.randn(2, 8, 8), torch.ones(2, 8, dtype=torch.long))
+    assert wrapper.flops.total(convention=EXACT) == wrapper.flops.total(convention=HALF) == wrapper.flops.total()
+    assert any("counted as the dense work the kernel does" in n for n in wrapper.program.notes)
+
+
+def test_a_causal_mask_without_padding_is_a_polynomial():
+    model = _Masked("no padding")
+    program = fxflops.trace(model, (torch.randn(2, 6, 8), None), dims={"x": {0: "b", 1: "s"}})
+    b, s = (sym for sym in sorted(program.symbols, key=str))
+    exact = program.formula(convention=EXACT)
+    assert not exact.free_symbols - {b, s}
+    for batch, seq in [(2, 6), (3, 11), (4, 3)]:  # the trace guards b != 1
+        triples = kept_triples(torch.ones(batch, seq), seq)
+        dense = program.total(b=batch, s=seq)
+        assert dense - program.total(convention=EXACT, b=batch, s=seq) == 4 * 8 * (batch * seq * seq - triples)
