@@ -123,6 +123,7 @@ class Binder:
         # as on an accelerator: the same code path, so it can be checked on a CPU-only machine.
         self.host_metadata = True
         self._by_layout: dict[tuple, Callable[[tuple, dict], tuple[int, ...]]] = {}
+        self._weights: dict[tuple, torch.Tensor] = {}  # pair_weights, per shape and device
 
     def values(self, args: tuple, kwargs: dict) -> tuple[int, ...]:
         """The free symbols' values for this call, in ``self.symbols`` order; InputError if off-trace."""
@@ -143,6 +144,7 @@ class Binder:
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
         state["_by_layout"] = {}  # generated readers are rebuilt on first use
+        state["_weights"] = {}
         return state
 
     def _accessor(self, path: Path, positions: dict[str, str]) -> str:
@@ -231,17 +233,32 @@ class Binder:
     def _pair_lines(self, positions: dict[str, str], var: dict[sympy.Symbol, str]) -> list[str]:
         """Code computing each kept-pairs statistic (``analysis/masks.py``): Σ over rows b and keys
         k < K of [padding[b, k] ≠ 0] · clamp(Q + offset − k, 0, Q), with tensor ops on the padding
-        input's device (a 0-d tensor there; read as an int on the CPU: no sync)."""
+        input's device: the non-zero count per key times its weight (a 0-d tensor there; read as an
+        int on the CPU: no sync)."""
         lines = []
         for j, (sym, pairs) in enumerate(sorted(self.kept_pairs.items(), key=lambda item: str(item[0]))):
             if pairs.padding[0] not in positions:
                 raise InputError(f"the call lacks input {path_label(pairs.padding)!r} that the attention mask is built from")
             queries, keys, offset = (python_source(e, var) for e in (pairs.queries, pairs.keys, pairs.offset))
             lines.append(f"    _q{j} = {self._accessor(pairs.padding, positions)}")
-            lines.append(f"    _k{j} = torch.arange({keys}, device=_q{j}.device)")
-            lines.append(f"    {var[sym]} = ((_q{j}[:, :{keys}] != 0).long() * ({queries} + {offset} - _k{j}).clamp(0, {queries})).sum()")
+            lines.append(f"    _k{j} = {keys}")
+            lines.append(f"    if _q{j}.shape[1] != _k{j}: _q{j} = _q{j}[:, :_k{j}]")
+            lines.append(f"    _w{j} = _binder.pair_weights(_k{j}, {queries}, {offset}, _q{j}.device)")
+            lines.append(f"    {var[sym]} = ((_q{j} != 0).sum(0) * _w{j}).sum()")
             lines.append(f"    if _q{j}.is_cpu and _binder.host_metadata: {var[sym]} = int({var[sym]})")
         return lines
+
+    def pair_weights(self, keys: int, queries: int, offset: int, device: torch.device) -> torch.Tensor:
+        """clamp(Q + offset − k, 0, Q) for k < K: the queries a causal mask lets see key k (cached
+        per shape and device: one tensor made per sequence length, not per call)."""
+        key = (keys, queries, offset, device)
+        weights = self._weights.get(key)
+        if weights is None:
+            if len(self._weights) >= 256:  # many lengths: keep the cache small
+                self._weights.clear()
+            positions = torch.arange(keys, device=device)
+            weights = self._weights[key] = (queries + offset - positions).clamp(0, queries)
+        return weights
 
     @staticmethod
     def _malformed(f: int, family: Family, packed: list[str], covered: list[str]) -> str:

@@ -388,6 +388,25 @@ class Program:
         of that family's segment lengths (the binder computes it from the offsets or grid)."""
         return {str(sym): (family.name, k) for sym, (family, k) in self.binder.stats.items()}
 
+    @property
+    def relations(self) -> list[sympy.Basic]:
+        """What every call satisfies between the symbols, from the capture: a family's p₁ equals the
+        packed size its segments cover (``Eq``) or is at most the one they cut; for lengths ≥ 1,
+        p₁ ≤ p₂ ≤ p₁²; p₀ of offsets is their length − 1. ``fxflops.verify`` simplifies under them."""
+        found: list[sympy.Basic] = []
+        have = set(self.all_symbols)
+        for family in self.families:
+            p0, p1, p2 = (family.power_sum(k) for k in range(3))
+            if p1 in have:
+                found += [sympy.Eq(p1, size) for size in sorted(family.covered, key=str) if size != p1]
+                found += [sympy.Le(p1, size) for size in sorted(family.packed - family.covered, key=str) if size != p1]
+            if {p1, p2} <= have:
+                found += [sympy.Le(p1, p2), sympy.Le(p2, p1**2)]
+            rows = self.binder.dim_exprs.get(family.source)
+            if p0 in have and family.lengths.values.diff and rows:
+                found.append(sympy.Eq(p0, rows[0] - 1))
+        return found
+
     def describe_symbols(self) -> dict[str, str]:
         """What each symbol means: an input dimension, a segment power sum or a mask's kept pairs."""
         meaning = {}

@@ -46,8 +46,11 @@ class Attribution:
     where: str
     expr: sympy.Expr
     factor: sympy.Rational | None = None  # None: a single-monomial attribution
+    sizes: tuple[sympy.Expr, sympy.Expr] | None = None  # (the formula's size, the traced one) of a whole module
 
     def __str__(self) -> str:
+        if self.sizes is not None:
+            return f"{self.where}: counted at {self.sizes[0]}, traced {self.sizes[1]} (the difference is {self.expr})"
         if self.factor is None:
             coefficient, monomial = sympy.sympify(self.expr).as_coeff_Mul()
             word = "missing" if coefficient > 0 else "extra"
@@ -156,6 +159,24 @@ def _multiple(difference: sympy.Expr, poly: sympy.Expr) -> sympy.Integer | None:
     return ratio if ratio is not None and ratio.is_integer and (ratio == 1 or ratio <= -1) else None
 
 
+def _counted_at_another_size(found: list[Attribution], rest: sympy.Expr) -> tuple[list[Attribution], sympy.Expr]:
+    """A module found missing whole, c·T(x), while the rest of the difference is −c·T′(x) in the
+    same sizes and in no traced module: the formula counts that module at another size T′ (a merger
+    at 5·⌊P/20⌋ tokens instead of ⌊P/4⌋). Returns the attributions with that one restated, and what
+    stays unexplained."""
+    if rest == 0:
+        return found, rest
+    for i, a in enumerate(found):
+        if a.factor != 1:
+            continue
+        content, traced_size = sympy.sympify(a.expr).as_content_primitive()
+        counted_size = sympy.expand(-rest / content)  # the formula has c·T′ where the program has c·T
+        if counted_size != 0 and counted_size.free_symbols <= traced_size.free_symbols and sympy.expand(counted_size - traced_size) != 0:
+            restated = Attribution(a.where, sympy.expand(a.expr + rest), sizes=(counted_size, traced_size))
+            return [*found[:i], restated, *found[i + 1 :]], sympy.Integer(0)
+    return found, rest
+
+
 def attribute(difference: sympy.Expr, modules: list[tuple[str, sympy.Expr]]) -> tuple[list[Attribution], sympy.Expr]:
     """Explain ``difference`` by whole module polynomials (the model first, then shallowest modules),
     then monomial by monomial: the deepest module (or group) holding exactly that term; else the
@@ -187,7 +208,17 @@ def attribute(difference: sympy.Expr, modules: list[tuple[str, sympy.Expr]]) -> 
                 found.append(Attribution(", ".join([w for w in at if "*" in w][:1] or at), coefficient * monomial))
         else:
             unexplained += coefficient * monomial
-    return found, unexplained
+    return _counted_at_another_size(found, unexplained)
+
+
+def _equalities(program: Any) -> dict[sympy.Symbol, sympy.Expr]:
+    """The relations that are equalities (``program.relations``: p₁ = the packed size its segments
+    cover, p₀ = offsets − 1), as a substitution of the power sum by the size."""
+    found = {}
+    for relation in getattr(program, "relations", []):
+        if isinstance(relation, sympy.Equality) and isinstance(relation.lhs, sympy.Symbol) and relation.lhs not in found:
+            found[relation.lhs] = relation.rhs
+    return found
 
 
 def _sample(program: Any, domain: dict[str, tuple[int, int]] | None, n: int, seed: int) -> list[dict[str, int]]:
@@ -247,8 +278,10 @@ def verify(
     """
     convention = convention or program.convention
     symbols = {str(s): s for s in program.all_symbols}
-    traced = _plain(program.formula(module, phase, convention))
+    equal_to = _equalities(program)
+    traced = _plain(program.formula(module, phase, convention)).xreplace(equal_to)
     expression = _formula_expression(formula, symbols)
+    expression = None if expression is None else sympy.expand(expression.xreplace(equal_to))
     points = _sample(program, domain, samples, seed)
     traced_f = sympy.lambdify(list(symbols.values()), traced, "math") if points else None
     if expression is not None:
@@ -256,9 +289,8 @@ def verify(
         diff_f = sympy.lambdify(list(symbols.values()), difference, "math")
         errors = [abs(diff_f(*[p.get(n, 0) for n in symbols])) / max(abs(traced_f(*[p.get(n, 0) for n in symbols])), 1) for p in points]
         equal = difference == 0 or (bool(difference.atoms(sympy.floor)) and bool(points) and max(errors) == 0)
-        found, unexplained = (
-            ([], sympy.Integer(0)) if equal else attribute(difference, _module_polynomials(program, module, phase, convention))
-        )
+        modules = [(where, sympy.expand(poly.xreplace(equal_to))) for where, poly in _module_polynomials(program, module, phase, convention)]
+        found, unexplained = ([], sympy.Integer(0)) if equal else attribute(difference, modules)
         return Verdict(equal, difference, traced, expression, convention, found, unexplained, max(errors, default=0.0), len(points))
     names = _parameters(formula, symbols)
     errors = []

@@ -210,3 +210,64 @@ def test_bridge_vit_formula_against_the_vision_tower(vlm):
     verdict = fxflops.verify(program, bridge, convention=MEGATRON, module="visual")
     assert list(verdict.by_module) == ["visual.patch_embed"] and verdict.unexplained == 0
     assert "missing visual.patch_embed" in str(verdict)
+
+
+@pytest.fixture(scope="module")
+def hf_qwen2_vl():
+    """The tiny Qwen2-VL of the zoo, its program, and its vision config (the numbers a hand formula
+    is written from)."""
+    transformers = pytest.importorskip("transformers")  # noqa: F841
+    from fxflops.models import hf_zoo
+
+    model = hf_zoo.build("qwen2_vl", "sdpa")
+    wrapper = fxflops.instrument(model, strict=True)
+    with torch.no_grad():
+        wrapper(**hf_zoo.random_batch("qwen2_vl", random.Random(1)))
+    return wrapper.program, model.config.vision_config, model.config.get_text_config()
+
+
+def _vit_formula(vision, text, *, patch_embedding=True, merger_tokens=lambda p: p // 4):
+    """A hand formula for Qwen2-VL's vision tower, per patch P and per-image attention Σsᵢ² = p2:
+    patch embedding 2·P·(C·T·p²)·D, per block QKV + output projection 2·P·4D², attention core
+    4·D·p2, MLP 2·P·2·D·(r·D); merger 2·(P/4)·(4D·4D + 4D·H_text)."""
+    d, depth = vision.embed_dim, vision.depth
+    mlp = int(d * vision.mlp_ratio)
+    merged = d * vision.spatial_merge_size**2
+    pixels = vision.in_chans * vision.temporal_patch_size * vision.patch_size**2
+
+    def formula(patches, image_cu_seqlens_p2):
+        embedding = 2 * patches * pixels * d if patch_embedding else 0
+        blocks = depth * (2 * patches * 4 * d * d + 4 * d * image_cu_seqlens_p2 + 2 * patches * 2 * d * mlp)
+        return embedding + blocks + 2 * merger_tokens(patches) * (merged * merged + merged * text.hidden_size)
+
+    return formula
+
+
+def test_relations_from_the_capture(hf_qwen2_vl):
+    program, _, _ = hf_qwen2_vl
+    p1, p2, patches = (next(s for s in program.all_symbols if str(s) == n) for n in ("image_cu_seqlens_p1", "image_cu_seqlens_p2", "patches"))
+    assert sympy.Eq(p1, patches) in program.relations  # the lifted attention's segments cover the patches
+    assert sympy.Le(p1, p2) in program.relations and sympy.Le(p2, p1**2) in program.relations
+
+
+def test_the_hand_vit_formula_verifies_under_the_relations(hf_qwen2_vl):
+    """The traced attention projections are Σᵢ c·sᵢ = c·p1 (per segment); the formula's are c·P: equal
+    because p1 = P in every call."""
+    program, vision, text = hf_qwen2_vl
+    assert fxflops.verify(program, _vit_formula(vision, text), module="model.visual").equal
+
+
+def test_a_left_out_patch_embedding_is_named(hf_qwen2_vl):
+    program, vision, text = hf_qwen2_vl
+    verdict = fxflops.verify(program, _vit_formula(vision, text, patch_embedding=False), module="model.visual")
+    embedding = 2 * vision.in_chans * vision.temporal_patch_size * vision.patch_size**2 * vision.embed_dim
+    assert [str(a) for a in verdict.attributions] == [f"missing model.visual.patch_embed (the formula leaves out {embedding}*patches)"]
+    assert verdict.unexplained == 0
+
+
+def test_a_merger_counted_at_the_wrong_token_count_is_named(hf_qwen2_vl):
+    program, vision, text = hf_qwen2_vl
+    verdict = fxflops.verify(program, _vit_formula(vision, text, merger_tokens=lambda p: 5 * (p // 20)), module="model.visual")
+    (attribution,) = verdict.attributions
+    assert str(attribution).startswith("model.visual.merger: counted at 5*floor(patches/20), traced floor(patches/4)")
+    assert verdict.unexplained == 0
