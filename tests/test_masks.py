@@ -202,3 +202,38 @@ def test_a_causal_mask_without_padding_is_a_polynomial():
         triples = kept_triples(torch.ones(batch, seq), seq)
         dense = program.total(b=batch, s=seq)
         assert dense - program.total(convention=EXACT, b=batch, s=seq) == 4 * 8 * (batch * seq * seq - triples)
+
+
+class _Broadcast(nn.Module):
+    """A causal-looking mask whose padding row is broadcast over the batch (shape (1, S)): each row
+    of the batch sees the same padding, so the kept triples are B x those of that row, not a sum
+    over the padding tensor's rows; and a query position tensor of size 1 broadcast over queries."""
+
+    def __init__(self, kind: str, dim: int = 8):
+        super().__init__()
+        self.kind, self.proj = kind, nn.Linear(dim, 3 * dim, bias=False)
+
+    def forward(self, x, padding):
+        q, k, v = self.proj(x).unsqueeze(1).chunk(3, dim=-1)
+        batch, seq = q.shape[0], q.shape[2]
+        positions = torch.arange(seq)
+        if self.kind == "one query position":  # every query row gets row 0's mask: k <= 0
+            keep = positions[None, :] <= torch.arange(1)[:, None]
+            mask = keep[None, None]
+        else:
+            mask = (positions[None, :] <= positions[:, None])[None, None] & padding.bool()[:, None, None, :]
+        return nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask.expand(batch, 1, seq, seq))
+
+
+@pytest.mark.parametrize("kind", ["padding row broadcast", "one query position"])
+def test_a_mask_that_broadcasts_a_size_one_dim_is_not_misread(kind):
+    model = _Broadcast(kind)
+    dims = {"x": {0: "b", 1: "s"}, "padding": {1: "s"}}
+    wrapper = fxflops.instrument(model, dims=dims, strict=True)
+    padding = torch.tensor([[1, 1, 1, 1, 0, 0]])
+    wrapper(torch.randn(3, 6, 8), padding)
+    missing = wrapper.flops.total() - wrapper.flops.total(convention=EXACT)
+    if kind == "padding row broadcast":  # read or not, never the one-row sum: dense, or 3x that row
+        assert missing in (0, 4 * 8 * (3 * 36 - 3 * kept_triples(padding, 6)))
+    else:  # row 0's mask for every query is not causal: never halved
+        assert missing == 0 and wrapper.flops.total(convention=HALF) == wrapper.flops.total()

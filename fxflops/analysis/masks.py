@@ -128,7 +128,7 @@ class CausalMask:
     padding: Path | None
 
 
-_SAME = {"expand", "clone", "alias", "contiguous", "lift_fresh_copy", "detach", "_assert_tensor_metadata"}
+_SAME = {"clone", "alias", "contiguous", "lift_fresh_copy", "detach", "_assert_tensor_metadata"}
 _COMPARISONS = {"le": (1, 0), "lt": (1, 1), "ge": (-1, 0), "gt": (-1, 1)}  # a OP b -> sign·(a − b) + strict ≤ 0
 _NEGATIVE_INFINITY = -1e30  # a where() branch at least this negative drops the entry (-inf, finfo.min)
 
@@ -209,6 +209,28 @@ class MaskReader:
     def _on_same(node: torch.fx.Node, args: list, val: torch.Tensor) -> Any:
         return args[0] if isinstance(args[0], (Position, Keep, Input)) else None
 
+    def _spans(self, operand: Any, value: Any, out: torch.Tensor) -> bool:
+        """Every axis ``value`` (a Position, or an Input's index) varies along has the output's full
+        size in the tensor ``operand`` (not a size-1 dim broadcast: that would hold one value)."""
+        if not isinstance(operand, torch.fx.Node) or not isinstance(operand.meta.get("val"), torch.Tensor):
+            return not isinstance(value, (Position, Input, Keep))
+        own = operand.meta["val"]
+        varying = set()
+        if isinstance(value, Position):
+            varying = {axis(value.axis)}
+        elif isinstance(value, Input):
+            varying = set().union(*(i.free_symbols for i in value.index))
+        elif isinstance(value, Keep):
+            varying = set().union(*(r.free_symbols for r in value.relations), *(i.free_symbols for _, index in value.lookups for i in index))
+        axes = {a for a in range(max(own.dim(), out.dim())) if axis(a) in varying}
+        return all(
+            a < own.dim() and a < out.dim() and sympy.expand(self.named(own.shape[-1 - a]) - self.named(out.shape[-1 - a])) == 0
+            for a in axes
+        )
+
+    def _on_expand(self, node: torch.fx.Node, args: list, val: torch.Tensor) -> Any:
+        return args[0] if self._spans(node.args[0], args[0], val) else None
+
     def _on_arange(self, node: torch.fx.Node, args: list, val: torch.Tensor) -> Position | None:
         start = args[0] if len(args) > 1 else 0
         step = args[2] if len(args) > 2 else 1
@@ -259,6 +281,8 @@ class MaskReader:
         a, b = (_relation(v) for v in args[:2])
         if a is None or b is None or not any(isinstance(v, Position) for v in args[:2]):
             return None
+        if not all(self._spans(operand, v, val) for operand, v in zip(node.args[:2], args[:2])):
+            return None
         return Keep(relations=frozenset({sympy.expand(sign * (a - b) + strict)}))
 
     _on_le = _on_lt = _on_ge = _on_gt = _on_compare
@@ -270,7 +294,10 @@ class MaskReader:
 
     def _on_bitwise_and(self, node: torch.fx.Node, args: list, val: torch.Tensor) -> Keep | None:
         a, b = (_as_keep(v) for v in args[:2])
-        return a & b if a is not None and b is not None and val.dtype == torch.bool else None
+        if a is None or b is None or val.dtype != torch.bool:
+            return None
+        spanning = all(self._spans(operand, v, val) for operand, v in zip(node.args[:2], args[:2]))
+        return a & b if spanning else None
 
     _on_logical_and = _on_mul = _on_bitwise_and
 
@@ -279,6 +306,8 @@ class MaskReader:
         if not isinstance(source, Input) or not source.as_bool or not source.natural:
             return None
         if not all(isinstance(i, Position) for i in indices):
+            return None
+        if not all(self._spans(operand, i, val) for operand, i in zip(node.args[1], indices)):
             return None
         if len(indices) != node.args[0].meta["val"].dim():
             return None

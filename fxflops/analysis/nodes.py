@@ -186,7 +186,7 @@ class NodeRules:
         kwargs = {k: as_rule_argument(v, self.named) for k, v in node.kwargs.items()}
         out_shape = as_rule_argument(node.meta.get("val"), self.named)
         flops, exact = self._apply(entry, node, path, args, kwargs, out_shape)
-        masked = self._masked_causal(node, path, flops) if entry.causal is not None and exact is None else None
+        masked = self._read_mask(node, path, flops) if entry.causal is not None and exact is None else None
         exact = masked if masked is not None else exact
         unknown = (flops.free_symbols | (exact.free_symbols if exact is not None else set())) - self.known - self.segments.symbols()
         unknown -= set(self.kept_pairs.values())
@@ -215,6 +215,14 @@ class NodeRules:
             self.notes.append(f"{path or '<root>'}: causal {node.target} with query and key lengths that differ is counted dense under every convention")
         return flops, None if exact is None else sympy.expand(sympy.sympify(exact))
 
+    def _read_mask(self, node: torch.fx.Node, path: str, flops: sympy.Expr) -> sympy.Expr | None:
+        """:meth:`_masked_causal`, or None (counted dense, noted) when reading the mask fails: reading
+        it is a refinement, never a reason to refuse the capture."""
+        try:
+            return self._masked_causal(node, path, flops)
+        except Exception:  # noqa: BLE001 - an unusual mask graph: left unread
+            return None
+
     def _masked_causal(self, node: torch.fx.Node, path: str, flops: sympy.Expr) -> sympy.Expr | None:
         """The exact FLOPs of attention given a mask built in the graph that is causal (with or without
         padding, ``masks.py``): the dense FLOPs, which are the same per (batch, query, key) triple,
@@ -228,6 +236,10 @@ class NodeRules:
         if len(query) != 4 or len(key) != 4:
             return None
         batch, queries, keys = query[0], query[2], key[2]
+        shape = as_rule_argument(mask, self.named)  # the mask spans queries and keys (and rows, with padding)
+        spans = [(shape[-2], queries), (shape[-1], keys)] + ([(shape[0], batch)] if causal.padding is not None else [])
+        if any(sympy.expand(a - b) != 0 for a, b in spans):
+            return None
         pairs = pairs_kept(causal, batch, queries, keys)
         per_triple = sympy.cancel(flops / (batch * queries * keys))
         if pairs is None or sympy.fraction(per_triple)[1].free_symbols:
