@@ -11,7 +11,12 @@ convention) with ``formula``:
   groups of same-shaped modules, ``visual.blocks.*.mlp``) that the difference contains as a multiple
   ("missing visual", "counted 4x: visual.merger"), then single monomials to the modules whose
   polynomials have them ("768*text_p2: language_model.layers.*.self_attn"); what is left is a term no
-  traced module has (e.g. the ``tokens**2`` of a pack-length² approximation).
+  traced module has (e.g. the ``tokens**2`` of a pack-length² approximation). Before that the
+  equalities of ``program.relations`` are substituted (p₁ = the packed size its segments cover).
+  A module missing whole while the rest is that module at another size is "counted at T′, traced T"
+  (a merger's token count). A one-term match that another layer would explain with one of its own
+  static sizes off by at most an eighth (``Term.dims``: a padded vocabulary) is reported as
+  **ambiguous**, listing the explanations, smallest change of size first, never as one wrong module.
 * The **relative error** is sampled over a domain of symbol values within the program's guards.
 """
 
@@ -28,9 +33,11 @@ from typing import Any
 import sympy
 from torch.utils._sympy.functions import FloorDiv
 
+from fxflops.analysis.counted import counted
 from fxflops.analysis.paths import depth as path_depth
 from fxflops.conventions import Convention
 
+_PLAUSIBLE_RESIZE = sympy.Rational(1, 8)  # a formula's size off by at most this share is a resize, not a coincidence
 _INDEX = re.compile(r"(?<=\.)\d+(?=\.|$)|^\d+(?=\.|$)")
 
 
@@ -47,14 +54,28 @@ class Attribution:
     expr: sympy.Expr
     factor: sympy.Rational | None = None  # None: a single-monomial attribution
     sizes: tuple[sympy.Expr, sympy.Expr] | None = None  # (the formula's size, the traced one) of a whole module
+    how: str = ""  # how the module explains a single-monomial term, e.g. "counted with size 512 where the model has 500"
+    alternatives: tuple[str, ...] = ()  # other explanations of the same term: the attribution is ambiguous
+
+    def _explained(self) -> str:
+        if self.factor is not None:  # a whole module, counted 1 - factor times
+            times = 1 - self.factor
+            return f"{self.where} left out" if times == 0 else f"{self.where} counted {times}x"
+        return f"{self.where} {self.how}" if self.how else self.where
 
     def __str__(self) -> str:
+        if self.alternatives:
+            coefficient, monomial = sympy.sympify(self.expr).as_coeff_Mul()
+            word = "missing" if coefficient > 0 else "extra"
+            shown = [self._explained(), *self.alternatives[:2]]
+            more = f" (or {len(self.alternatives) - 2} more)" if len(self.alternatives) > 2 else ""
+            return f"ambiguous {word} {abs(coefficient) * monomial}: " + " or ".join(shown) + more
         if self.sizes is not None:
             return f"{self.where}: counted at {self.sizes[0]}, traced {self.sizes[1]} (the difference is {self.expr})"
         if self.factor is None:
             coefficient, monomial = sympy.sympify(self.expr).as_coeff_Mul()
             word = "missing" if coefficient > 0 else "extra"
-            return f"{word} {abs(coefficient) * monomial}: {self.where}"
+            return f"{word} {abs(coefficient) * monomial}: {self._explained()}"
         times = 1 - self.factor  # the formula has ``times`` x the module's FLOPs
         if times == 0:
             return f"missing {self.where} (the formula leaves out {self.expr})"
@@ -142,6 +163,29 @@ def _module_polynomials(program: Any, root: str, phase: str | None, convention: 
     return [(root or "<model>", _plain(program.formula(root, phase, convention))), *polys]
 
 
+def _coincidences(where: str, part: sympy.Expr, named: list, dims_of: Callable[[str, sympy.Expr], set[int]] | None) -> tuple[str, ...]:
+    """A whole-module match of a module whose polynomial is one term c·m is only a coefficient match:
+    the other modules that would explain ``part`` with another static size (none: the match stands)."""
+    terms = sympy.expand(part).as_coefficients_dict()
+    if dims_of is None or len(terms) != 1:
+        return ()
+    ((monomial, coefficient),) = terms.items()
+    holders = [(w, t[monomial]) for w, t in named if monomial in t]
+    return tuple(f"{w} {how}" for w, how in _resized(monomial, coefficient, holders, dims_of) if not _related(w, where))
+
+
+def _in_module(path: str, where: str, inside: bool = False) -> bool:
+    """``path`` is the module ``where`` or, for a group (``layers.*.mlp``), one of its members; with
+    ``inside``, also a submodule of it."""
+    pattern = "[^.]+".join(re.escape(part) for part in where.split("*"))
+    return re.fullmatch(pattern + (r"(\..+)?" if inside else ""), path) is not None
+
+
+def _related(a: str, b: str) -> bool:
+    """One module (or group) is the other, inside it or one of its members."""
+    return _in_module(a, b, inside=True) or _in_module(b, a, inside=True)
+
+
 def _multiple(difference: sympy.Expr, poly: sympy.Expr) -> sympy.Integer | None:
     """Integer r if ``difference`` contains r·``poly`` term for term (every monomial, same ratio): the
     formula counts that module 1 - r times."""
@@ -177,27 +221,61 @@ def _counted_at_another_size(found: list[Attribution], rest: sympy.Expr) -> tupl
     return found, rest
 
 
-def attribute(difference: sympy.Expr, modules: list[tuple[str, sympy.Expr]]) -> tuple[list[Attribution], sympy.Expr]:
+def _resized(
+    monomial: sympy.Expr, coefficient: sympy.Expr, holders: list[tuple[str, sympy.Expr]], dims_of: Callable[[str, sympy.Expr], set[int]]
+) -> list[tuple[str, str]]:
+    """Modules (or groups) that explain ``coefficient·monomial`` as one of their static sizes s
+    counted as another integer s′ = s·(c − d)/c within an eighth of s (a padded vocabulary in
+    ``lm_head``, a hidden size rounded): (where, how), a group instead of its members, the deepest
+    of a chain; the smallest change of size first."""
+    found: dict[str, tuple[sympy.Rational, str]] = {}  # where -> (smallest relative change, how)
+    for where, c in holders:
+        ratio = (c - coefficient) / c  # the formula's size over the model's
+        if abs(ratio - 1) > _PLAUSIBLE_RESIZE:
+            continue
+        sizes = [s for s in sorted(dims_of(where, monomial)) if (s * ratio).is_integer and 0 < s * ratio != s]
+        if sizes:
+            found[where] = (abs(ratio - 1), "counted with size " + " or ".join(f"{s * ratio} where the model has {s}" for s in sizes))
+    groups = [w for w in found if "*" in w]
+    kept = [w for w in found if not any(g != w and _in_module(w, g) for g in groups)]
+    kept = [w for w in kept if not any(o != w and o.startswith(w + ".") for o in kept)]  # deepest
+    return [(w, found[w][1]) for w in sorted(kept, key=lambda w: (found[w][0], w))]
+
+
+def attribute(
+    difference: sympy.Expr, modules: list[tuple[str, sympy.Expr]], dims_of: Callable[[str, sympy.Expr], set[int]] | None = None
+) -> tuple[list[Attribution], sympy.Expr]:
     """Explain ``difference`` by whole module polynomials (the model first, then shallowest modules),
-    then monomial by monomial: the deepest module (or group) holding exactly that term; else the
-    top-level modules if together they hold exactly it; else (a part of a term) the deepest modules
-    holding it. Returns the attributions and the unexplained rest."""
+    then monomial by monomial: the deepest module (or group) holding exactly that term, or one whose
+    static size (``dims_of``) the formula changed — when both, or several, fit, the attribution is
+    ambiguous and lists them; else the top-level modules if together they hold exactly it; else (a
+    part of a term) the deepest modules holding it. Returns the attributions and the unexplained rest."""
     found: list[Attribution] = []
     rest = sympy.expand(difference)
+    named = [(w, p.as_coefficients_dict()) for w, p in modules[1:]]
     for where, poly in modules:
         r = _multiple(rest, poly) if rest != 0 else None
         if r is not None and r != 0:
-            found.append(Attribution(where, sympy.expand(r * poly), r))
+            found.append(Attribution(where, sympy.expand(r * poly), r, alternatives=_coincidences(where, r * poly, named, dims_of)))
             rest = sympy.expand(rest - r * poly)
     unexplained = sympy.Integer(0)
-    named = [(w, p.as_coefficients_dict()) for w, p in modules[1:]]
     for monomial, coefficient in rest.as_coefficients_dict().items():
         holders = [(w, terms[monomial]) for w, terms in named if monomial in terms]
         exact = [w for w, c in holders if c == coefficient or c == -coefficient]
+        chosen = None
         if exact:
             deepest = max(map(path_depth, exact))
-            chosen = sorted(w for w in exact if path_depth(w) == deepest)
-            found.append(Attribution(next((w for w in chosen if "*" in w), chosen[0]), coefficient * monomial))
+            candidates = sorted(w for w in exact if path_depth(w) == deepest)
+            chosen = next((w for w in candidates if "*" in w), candidates[0])
+        resized = _resized(monomial, coefficient, holders, dims_of) if dims_of is not None else []
+        others = [(w, how) for w, how in resized if chosen is None or not _related(w, chosen)]
+        described = tuple(f"{w} {how}" for w, how in others)
+        if chosen is not None and others:
+            found.append(Attribution(chosen, coefficient * monomial, alternatives=described))
+        elif chosen is None and others:
+            found.append(Attribution(others[0][0], coefficient * monomial, how=others[0][1], alternatives=described[1:]))
+        elif chosen is not None:
+            found.append(Attribution(chosen, coefficient * monomial))
         elif holders:
             top = [(w, c) for w, c in holders if "." not in w and "*" not in w]
             if abs(sum(c for _, c in top)) == abs(coefficient):  # the term of the top-level modules together
@@ -209,6 +287,25 @@ def attribute(difference: sympy.Expr, modules: list[tuple[str, sympy.Expr]]) -> 
         else:
             unexplained += coefficient * monomial
     return _counted_at_another_size(found, unexplained)
+
+
+def _static_sizes(program: Any, convention: Convention, equal_to: dict) -> Callable[[str, sympy.Expr], set[int]]:
+    """``dims_of(where, monomial)``: the static sizes every counted term of module (or group)
+    ``where`` with that monomial shares (``Term.dims``): the sizes a formula may have changed. Only
+    for a module whose own ops (not its submodules') hold the monomial: a layer, not a block."""
+
+    def dims_of(where: str, monomial: sympy.Expr) -> set[int]:
+        inner = [
+            t for t in program.terms
+            if _in_module(t.module, where, inside=True)
+            and any(True for _ in counted([t], convention))
+            and monomial in _plain(t.flops).xreplace(equal_to).as_coefficients_dict()
+        ]
+        if not inner or not all(_in_module(t.module, where) for t in inner):  # ops of its own only
+            return set()
+        return set.intersection(*(set(t.dims) for t in inner))
+
+    return dims_of
 
 
 def _equalities(program: Any) -> dict[sympy.Symbol, sympy.Expr]:
@@ -290,7 +387,8 @@ def verify(
         errors = [abs(diff_f(*[p.get(n, 0) for n in symbols])) / max(abs(traced_f(*[p.get(n, 0) for n in symbols])), 1) for p in points]
         equal = difference == 0 or (bool(difference.atoms(sympy.floor)) and bool(points) and max(errors) == 0)
         modules = [(where, sympy.expand(poly.xreplace(equal_to))) for where, poly in _module_polynomials(program, module, phase, convention)]
-        found, unexplained = ([], sympy.Integer(0)) if equal else attribute(difference, modules)
+        dims_of = _static_sizes(program, convention, equal_to)
+        found, unexplained = ([], sympy.Integer(0)) if equal else attribute(difference, modules, dims_of)
         return Verdict(equal, difference, traced, expression, convention, found, unexplained, max(errors, default=0.0), len(points))
     names = _parameters(formula, symbols)
     errors = []

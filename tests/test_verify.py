@@ -271,3 +271,39 @@ def test_a_merger_counted_at_the_wrong_token_count_is_named(hf_qwen2_vl):
     (attribution,) = verdict.attributions
     assert str(attribution).startswith("model.visual.merger: counted at 5*floor(patches/20), traced floor(patches/4)")
     assert verdict.unexplained == 0
+
+
+def test_a_padded_vocabulary_is_put_on_lm_head_and_called_ambiguous():
+    """A formula with Megatron's padded vocabulary (500 -> 512) differs by 2·H·12 per token, which
+    any projection counted with another size could explain too: the smallest change of size (the
+    vocabulary) comes first, and the term is reported as ambiguous rather than put on one wrong module."""
+    from dataclasses import replace
+
+    from fxflops.formulas import padded_vocab
+
+    cfg = replace(VLMConfig(), vocab=500, image_token_id=499)
+    torch.manual_seed(0)
+    program = fxflops.trace(
+        TinyVLM(cfg), random_batch(cfg, random.Random(0)).inputs(),
+        dims={"input_ids": {1: "tokens"}, "pixel_values": {0: "patches"}},
+        segments={"cu_seqlens": "text", "image_grid_thw": "frames"},
+    )
+    padded = replace(cfg, vocab=padded_vocab(cfg.vocab, 128))
+    verdict = fxflops.verify(program, lambda tokens, patches, text_p2, frames_p2: forward_flops_formula(padded, tokens, patches, text_p2, frames_p2))
+    extra = 2 * cfg.hidden * (padded.vocab - cfg.vocab)
+    (attribution,) = verdict.attributions
+    assert str(attribution).startswith(f"ambiguous extra {extra}*tokens: lm_head counted with size {padded.vocab} where the model has {cfg.vocab} or ")
+    assert list(verdict.by_module) == ["lm_head"] and verdict.unexplained == 0
+
+
+def test_a_coefficient_that_coincides_with_a_module_is_ambiguous(vlm):
+    """A formula counting every k_proj twice matches k_proj exactly, but other projections counted
+    with another size explain the same term: ambiguous, k_proj first."""
+    cfg, program = vlm
+    k_proj = cfg.layers * 2 * cfg.hidden * cfg.kv_heads * (cfg.hidden // cfg.heads)
+    verdict = fxflops.verify(
+        program, lambda tokens, patches, text_p2, frames_p2: forward_flops_formula(cfg, tokens, patches, text_p2, frames_p2) + k_proj * tokens
+    )
+    (attribution,) = verdict.attributions
+    assert str(attribution).startswith(f"ambiguous extra {k_proj}*tokens: language_model.layers.*.self_attn.k_proj counted 2x or ")
+    assert "lm_head counted with size" in str(attribution) and "576 where the model has 512" in str(attribution)

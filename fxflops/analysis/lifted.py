@@ -42,7 +42,7 @@ def per_segment_terms(
     return [
         Term(
             f"{marker}.{t.node}", t.op, t.module, phase if t.phase == "fwd" else t.phase,
-            billed(t.flops, t), t.kind, billed(t.causal_exact, t),
+            billed(t.flops, t), t.kind, billed(t.causal_exact, t), t.router, t.dims,
         )
         for t in inner
         if t.phase == "fwd" or backward_ran

@@ -72,6 +72,12 @@ def _traced_values(value: Any) -> Any:
     return value
 
 
+def _static_dims(args: list) -> tuple[int, ...]:
+    """The static sizes (> 1) of the shapes among a rule's arguments, sorted."""
+    shapes = [a for a in args if isinstance(a, tuple)]
+    return tuple(sorted({int(d) for shape in shapes for d in shape if isinstance(d, (int, sympy.Integer)) and d > 1}))
+
+
 def _forward_modules(graph: torch.fx.Graph) -> dict[int, str]:
     """Autograd sequence number -> the module of the first forward node with it (the op recorded)."""
     found: dict[int, str] = {}
@@ -193,7 +199,7 @@ class NodeRules:
         if unknown:
             self._data_dependent(node, own, path, unknown)
         if flops != 0:
-            term = Term(node.name, str(node.target), path, phase, flops, entry.kind, exact, router=node in self.routers)
+            term = Term(node.name, str(node.target), path, phase, flops, entry.kind, exact, node in self.routers, _static_dims(args))
             self.terms += _split_recompute(term, entry, args, kwargs, out_shape)
             self.notes += mask_notes(node, path) if masked is None else []
 

@@ -23,6 +23,7 @@ class Term:
     kind: str = "matmul"
     causal_exact: sympy.Expr | None = None
     router: bool = False  # a mixture-of-experts router GEMM (or its backward): see ``analysis/moe.py``
+    dims: tuple[int, ...] = ()  # the static sizes of its tensor operands (> 1): what a formula may size differently
 
 
 @dataclass(frozen=True)
