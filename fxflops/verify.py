@@ -204,18 +204,22 @@ def _multiple(difference: sympy.Expr, poly: sympy.Expr) -> sympy.Integer | None:
 
 
 def _counted_at_another_size(found: list[Attribution], rest: sympy.Expr) -> tuple[list[Attribution], sympy.Expr]:
-    """A module found missing whole, c·T(x), while the rest of the difference is −c·T′(x) in the
-    same sizes and in no traced module: the formula counts that module at another size T′ (a merger
-    at 5·⌊P/20⌋ tokens instead of ⌊P/4⌋). Returns the attributions with that one restated, and what
-    stays unexplained."""
+    """A module (or one term of it) found missing, c·T(x), while the rest of the difference, in no
+    traced module, is −c·T′(x) in the same sizes, or one term with exactly that coefficient: the
+    formula counts that module at another size T′ (a merger at 5·⌊P/20⌋ tokens instead of ⌊P/4⌋,
+    attention over an average image, P²/B, instead of Σ sᵢ²). Returns the attributions with that one
+    restated, and what stays unexplained."""
     if rest == 0:
         return found, rest
     for i, a in enumerate(found):
-        if a.factor != 1:
+        missing = a.factor == 1 or (a.factor is None and not a.alternatives and sympy.sympify(a.expr).as_coeff_Mul()[0] > 0)
+        if not missing:
             continue
         content, traced_size = sympy.sympify(a.expr).as_content_primitive()
         counted_size = sympy.expand(-rest / content)  # the formula has c·T′ where the program has c·T
-        if counted_size != 0 and counted_size.free_symbols <= traced_size.free_symbols and sympy.expand(counted_size - traced_size) != 0:
+        same_sizes = counted_size.free_symbols <= traced_size.free_symbols
+        one_term = len(sympy.Add.make_args(counted_size)) == 1 and counted_size.as_coeff_Mul()[0] == 1
+        if counted_size != 0 and (same_sizes or one_term) and sympy.expand(counted_size - traced_size) != 0:
             restated = Attribution(a.where, sympy.expand(a.expr + rest), sizes=(counted_size, traced_size))
             return [*found[:i], restated, *found[i + 1 :]], sympy.Integer(0)
     return found, rest

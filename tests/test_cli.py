@@ -54,7 +54,7 @@ def test_check_passes_and_fails_with_exit_codes():
     assert equal.returncode == 0 and "EQUAL" in equal.stdout
     different = fxflops("check", VLM, "--formula", "pack-length-squared")
     assert different.returncode == 1
-    assert "missing 768*text_p2: language_model.layers.*.self_attn" in different.stdout
+    assert "language_model.layers.*.self_attn: counted at tokens**2, traced text_p2" in different.stdout
 
 
 def test_usage_errors_list_what_is_valid():

@@ -101,7 +101,7 @@ def _wrong_formulas(cfg):
         "no vision term": (lambda tokens, patches, text_p2, frames_p2: right(tokens, 0, text_p2, 0), "missing visual"),
         "pack length squared": (
             lambda tokens, patches, text_p2, frames_p2: right(tokens, patches, tokens**2, frames_p2),
-            "missing 768*text_p2: language_model.layers.*.self_attn",
+            "language_model.layers.*.self_attn: counted at tokens**2, traced text_p2",
         ),
         "merger counted 4x": (
             lambda tokens, patches, text_p2, frames_p2: right(tokens, patches, text_p2, frames_p2) + 3 * merger * (patches // 4),
@@ -307,3 +307,19 @@ def test_a_coefficient_that_coincides_with_a_module_is_ambiguous(vlm):
     (attribution,) = verdict.attributions
     assert str(attribution).startswith(f"ambiguous extra {k_proj}*tokens: language_model.layers.*.self_attn.k_proj counted 2x or ")
     assert "lm_head counted with size" in str(attribution) and "576 where the model has 512" in str(attribution)
+
+
+def test_attention_over_an_average_image_is_named(hf_qwen2_vl):
+    """Bridge's legacy form: the per-image attention core over P̄ = P/B patches per sample,
+    B·P̄² = P²/B, instead of Σᵢ sᵢ² over the real images."""
+    program, vision, text = hf_qwen2_vl
+    right = _vit_formula(vision, text)
+    core = vision.depth * 4 * vision.embed_dim
+
+    def averaged(patches, image_cu_seqlens_p2, batch):
+        return right(patches, image_cu_seqlens_p2) - core * image_cu_seqlens_p2 + core * patches**2 / batch
+
+    verdict = fxflops.verify(program, averaged, module="model.visual")
+    (attribution,) = verdict.attributions
+    assert str(attribution).startswith("model.visual.blocks.*.attn: counted at patches**2/batch, traced image_cu_seqlens_p2")
+    assert verdict.unexplained == 0
