@@ -14,6 +14,7 @@ from fxflops.formulas import gpt_training_flops, non_embedding_params, palm_flop
 from fxflops.models.tiny_gpt import GPTConfig, TinyGPT
 from fxflops.models.tiny_vlm import TinyVLM, VLMConfig, forward_flops_formula, random_batch
 from fxflops.testing import assert_formula
+from fxflops.verify import _plain  # torch's FloorDiv as sympy floor, as verify compares
 
 GPT = GPTConfig(vocab=1024, hidden=96, heads=6, kv_heads=2, ffn=256, layers=2)  # vocab: a multiple of 128
 
@@ -216,7 +217,7 @@ def test_bridge_vit_formula_against_the_vision_tower(vlm):
 def hf_qwen2_vl():
     """The tiny Qwen2-VL of the zoo, its program, and its vision config (the numbers a hand formula
     is written from)."""
-    transformers = pytest.importorskip("transformers")  # noqa: F841
+    pytest.importorskip("transformers")
     from fxflops.models import hf_zoo
 
     model = hf_zoo.build("qwen2_vl", "sdpa")
@@ -323,3 +324,41 @@ def test_attention_over_an_average_image_is_named(hf_qwen2_vl):
     (attribution,) = verdict.attributions
     assert str(attribution).startswith("model.visual.blocks.*.attn: counted at patches**2/batch, traced image_cu_seqlens_p2")
     assert verdict.unexplained == 0
+
+
+def _patch_positions(family: str, config, symbols: dict):
+    """Output positions of a family's patch-embedding convolution, in the program's symbols, from the
+    config: Qwen-VL towers take pre-cut patches (one position each); CLIP a fixed image size;
+    SigLIP and Gemma 3 a size given per call (height and width cut into patches)."""
+    vision = config.vision_config
+    if family.startswith("qwen"):
+        return symbols["patches"]
+    if family == "llava_clip":
+        return symbols["images"] * (vision.image_size // vision.patch_size) ** 2
+    return symbols["images"] * (symbols["height"] // vision.patch_size) * (symbols["width"] // vision.patch_size)
+
+
+@pytest.mark.long
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "llava_clip", "llava_siglip", "gemma3"])
+def test_a_left_out_patch_embedding_is_named_in_every_zoo_family(family):
+    """A formula that is the traced vision tower less the patch embedding (2 FLOPs per weight per
+    output position, from the conv's weight and the config) names the patch embedding's module, or
+    an ancestor that holds only it, and nothing else."""
+    pytest.importorskip("transformers")
+    from fxflops.models import hf_zoo
+
+    model = hf_zoo.build(family, "sdpa")
+    wrapper = fxflops.instrument(model, strict=True)
+    with torch.no_grad():
+        wrapper(**hf_zoo.random_batch(family, random.Random(2)))
+    program = wrapper.program
+    (conv_path, conv), = [(n, m) for n, m in model.named_modules() if isinstance(m, (torch.nn.Conv2d, torch.nn.Conv3d))]
+    tower = conv_path.split(".embeddings")[0].split(".patch_embed")[0]
+    symbols = {str(s): s for s in program.all_symbols}
+    left_out = _plain(2 * conv.weight.numel() * _patch_positions(family, model.config, symbols))
+    formula = sympy.expand(_plain(program.formula(tower)) - left_out)
+    verdict = fxflops.verify(program, formula, module=tower)
+    (attribution,) = verdict.attributions
+    assert verdict.unexplained == 0 and attribution.factor == 1
+    assert conv_path.startswith(attribution.where) and sympy.expand(_plain(program.formula(attribution.where)) - left_out) == 0
+    assert str(attribution) == f"missing {attribution.where} (the formula leaves out {left_out})"
