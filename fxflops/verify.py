@@ -170,8 +170,7 @@ def _coincidences(where: str, part: sympy.Expr, named: list, dims_of: Callable[[
     if dims_of is None or len(terms) != 1:
         return ()
     ((monomial, coefficient),) = terms.items()
-    holders = [(w, t[monomial]) for w, t in named if monomial in t]
-    return tuple(f"{w} {how}" for w, how in _resized(monomial, coefficient, holders, dims_of) if not _related(w, where))
+    return tuple(f"{w} {how}" for w, how in _resized(monomial, coefficient, _holders(named, monomial), dims_of) if not _related(w, where))
 
 
 def _in_module(path: str, where: str, inside: bool = False) -> bool:
@@ -179,6 +178,11 @@ def _in_module(path: str, where: str, inside: bool = False) -> bool:
     ``inside``, also a submodule of it."""
     pattern = "[^.]+".join(re.escape(part) for part in where.split("*"))
     return re.fullmatch(pattern + (r"(\..+)?" if inside else ""), path) is not None
+
+
+def _holders(named: list, monomial: sympy.Expr) -> list[tuple[str, sympy.Expr]]:
+    """(module, its coefficient of ``monomial``) for every module whose polynomial has it."""
+    return [(w, terms[monomial]) for w, terms in named if monomial in terms]
 
 
 def _related(a: str, b: str) -> bool:
@@ -264,7 +268,7 @@ def attribute(
             rest = sympy.expand(rest - r * poly)
     unexplained = sympy.Integer(0)
     for monomial, coefficient in rest.as_coefficients_dict().items():
-        holders = [(w, terms[monomial]) for w, terms in named if monomial in terms]
+        holders = _holders(named, monomial)
         exact = [w for w, c in holders if c == coefficient or c == -coefficient]
         chosen = None
         if exact:
