@@ -36,7 +36,6 @@ from typing import Any
 
 import torch
 
-from fxflops.capture.scope import capturing
 
 # forward arguments through which transformers' generate hands over image and video features it
 # computed before the prefill, outside the model's forward (hidden from it while counting)
@@ -67,7 +66,7 @@ class _Route:
         @functools.wraps(original)
         def forward(*args: Any, **kwargs: Any) -> Any:
             state = self.threads.get(threading.get_ident())
-            if state is None or state.depth or capturing():
+            if state is None or state.depth:
                 return original(*args, **kwargs)
             if prefill is not None:
                 phase = "prefill" if state.prefilling else "decode"
@@ -81,6 +80,7 @@ class _Route:
                 state.depth -= 1
 
         forward.fxflops_own = True
+        forward.fxflops_wraps = original  # what a capture's twin of the model runs (capture/isolation.py)
         forward.__signature__ = _without(inspect.signature(original), PRE_ENCODED)
         self.methods = {"forward": forward}
         if prefill is not None:
@@ -97,6 +97,7 @@ class _Route:
                     state.prefilling -= 1
 
             prefill_stage.fxflops_own = True
+            prefill_stage.fxflops_wraps = prefill
             self.methods["_prefill"] = prefill_stage
 
 

@@ -8,7 +8,9 @@
 - A capture leaves a key-value cache passed to the model, and the model's own attributes, as they
   were; no fake tensor reaches an output.
 - Threads: a model (plain or compiled) used in another thread during a capture sees none of the
-  capture's patches; two threads making the first call both count exactly.
+  capture's patches; the very model being captured, seen from another thread mid-trace, keeps its
+  real weights, attributes and config (the trace runs on a twin); two threads making the first call
+  both count exactly.
 - ``torch.save``/``torch.load``, ``copy.deepcopy`` and ``pickle`` of wrappers and programs.
 - ``fxflops.ops.varlen_attention`` forward and backward under FlopCounterMode.
 """
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import io
 import pickle
 import subprocess
@@ -309,6 +312,98 @@ def test_a_compiled_module_in_another_thread_keeps_running_during_a_capture():
     assert wrapper.flops.total() == flop_counter_call(model, (ids,), {}, backward=True)
     assert wrapper.flops.uncounted == 0
 
+
+def _module_states(model):
+    """Every module's attributes (by identity) and its parameters', buffers' and children's dicts."""
+    return [(m, dict(vars(m)), dict(m._parameters), dict(m._buffers), dict(m._modules)) for m in model.modules()]
+
+
+def _states_equal(now, before) -> bool:
+    return all(
+        all(a.get(k, None) is v for k, v in b.items()) and a.keys() == b.keys()
+        for (_, *now_dicts), (_, *before_dicts) in zip(now, before)
+        for a, b in zip(now_dicts, before_dicts)
+    )
+
+
+def test_the_same_model_in_another_thread_runs_on_its_own_weights_during_captures():
+    """A capture traces a twin of the module tree: another thread running the very model meanwhile
+    (an evaluation thread) computes with the real weights, never a fake one, and every module's
+    attributes stay the objects they were, also while the capture runs."""
+    torch.manual_seed(0)
+    model = TinyGPT(CONFIG)
+    probe = torch.randint(0, 100, (2, 5))
+    with torch.no_grad():
+        expected = model(probe)
+    before = _module_states(model)
+    seen = [0]
+
+    def evaluate():
+        with torch.no_grad():
+            out = model(probe)
+        assert not isinstance(out, FakeTensor) and torch.equal(out, expected)
+        assert not any(isinstance(p, FakeTensor) for p in model.parameters())
+        assert _states_equal(_module_states(model), before), "a module's attributes changed during a capture"
+        seen[0] += 1
+
+    wrapper = fxflops.instrument(model, backward=True, strict=True)
+    with _repeating_in_another_thread(evaluate) as failures:
+        for shape in ((2, 9), (3, 4)):
+            ids = torch.randint(0, 100, shape)
+            wrapper(ids).sum().backward()
+            with torch.no_grad():
+                wrapper(ids)
+    assert not failures, failures
+    assert seen[0] > 0 and wrapper.captures >= 2
+
+@dataclasses.dataclass
+class _Settings:
+    length: int = 0
+
+
+class _WritesWhileTraced(nn.Module):
+    """Writes to itself and to the config it holds in forward; while traced (symbolic sizes), it lets
+    ``inspect`` look at the model from another thread at that very moment."""
+
+    def __init__(self, inspect) -> None:
+        super().__init__()
+        self.config, self.proj, self.inspect = _Settings(), nn.Linear(4, 4), inspect
+
+    def forward(self, x):
+        self.config.length = x.shape[0]
+        self.last_input = x
+        if not isinstance(x.shape[0], int):  # inside a capture's trace
+            self.inspect()
+        return self.proj(x)
+
+
+def test_while_a_capture_traces_the_users_model_and_config_are_untouched():
+    """At the moment the trace has written to the model and its config, and the capture has put fake
+    parameters in: the user's model, seen from another thread, still holds its real weights and
+    its own attributes, and its config is as it was."""
+    seen: list[str] = []
+
+    def inspect():
+        def look():
+            weight = model.proj._parameters["weight"]
+            seen.extend([
+                f"fake weight: {isinstance(weight, FakeTensor)}",
+                f"weight is the parameter: {weight is real_weight}",
+                f"config length: {model.config.length}",
+                f"last input kept: {'last_input' in vars(model)}",
+            ])
+
+        worker = threading.Thread(target=look)
+        worker.start()
+        worker.join(timeout=10)
+
+    model = _WritesWhileTraced(inspect)
+    real_weight = model.proj.weight
+    wrapper = fxflops.instrument(model, strict=True)
+    x = torch.randn(6, 4)
+    assert torch.equal(wrapper(x), model.proj(x))
+    assert seen == ["fake weight: False", "weight is the parameter: True", "config length: 0", "last input kept: False"]
+    assert wrapper.flops.total() == 2 * 6 * 4 * 4
 
 @pytest.mark.parametrize("shared", [False, True], ids=["two_wrappers", "one_wrapper"])
 def test_two_threads_making_the_first_call_both_count_exactly(shared):

@@ -11,7 +11,9 @@ embeddings. Splitting and concatenating move data and do no arithmetic, and
 but a symbolic trace cannot make a Python list of k pieces without fixing k, the number of images.
 
 :func:`packed_pieces` wraps named methods of a model (the *feature getters*) for the duration of a
-capture, in the capturing thread only (``capture/scope.py``). Inside one of them, and only there:
+capture (on the twin of the module tree the capture traces, ``capture/isolation.py``; the tensor
+methods below are patched for the capturing thread only, ``capture/scope.py``). Inside one of them,
+and only there:
 
 - ``tensor.tolist()`` of an integer tensor whose length is a free size symbol returns a
   :class:`SymbolicSections` placeholder instead of a list of fixed length;
@@ -43,7 +45,7 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
-from fxflops.capture.scope import capturing, patched
+from fxflops.capture.scope import patched
 from fxflops.errors import CaptureError
 
 
@@ -109,8 +111,6 @@ def packed_pieces(owners: list[Any], getters: tuple[str, ...]) -> Iterator[None]
 
     def wrap(owner: Any, name: str, method: Any) -> Any:
         def getter(*args: Any, **kwargs: Any) -> Any:
-            if not capturing():  # another thread running the model meanwhile
-                return method(*args, **kwargs)
             inside.append(f"{type(owner).__name__}.{name}")
             try:
                 return method(*args, **kwargs)

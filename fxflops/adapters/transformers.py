@@ -97,7 +97,6 @@ class TransformersAdapter(Adapter):
         positional = list(_parameters(model.forward, ordered=True))
         # a call reaching a grid only past this many positional arguments: a quick "no media" test
         self._grid_after = min((positional.index(g) for g in GRIDS.values() if g in positional), default=len(positional))
-        self.getter_owners = [m for m in model.modules() if any(callable(getattr(m, g, None)) for g in FEATURE_GETTERS)]
 
     def prepare(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """Add the metadata the model would derive with loops (see the module docstring). Metadata
@@ -168,10 +167,11 @@ class TransformersAdapter(Adapter):
         return named
 
     @contextlib.contextmanager
-    def capturing(self) -> Iterator[None]:
+    def capturing(self, model: torch.nn.Module) -> Iterator[None]:
+        owners = [m for m in model.modules() if any(callable(getattr(m, g, None)) for g in FEATURE_GETTERS)]
         with contextlib.ExitStack() as stack:
-            stack.enter_context(packed_pieces(self.getter_owners, FEATURE_GETTERS))
-            stack.enter_context(_experts_as_batched_matmuls(self.model))
+            stack.enter_context(packed_pieces(owners, FEATURE_GETTERS))
+            stack.enter_context(_experts_as_batched_matmuls(model))
             yield
 
 

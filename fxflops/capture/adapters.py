@@ -9,7 +9,8 @@ windows that way) gets an adapter that
   so the work is moved, not added);
 - ``dims``: names the call's dims (``batch``, ``seq``, ``patches``) when the user names none;
 - ``per_segment``: the modules to lift per segment (see ``capture/lifting.py``);
-- ``capturing``: a context held during the capture only (``fxflops/adapters/pieces.py``);
+- ``capturing``: a context held during the capture only, given the module tree the trace runs on
+  (``fxflops/adapters/pieces.py``);
 - ``same_layer_attributes``: attributes that differ between a stack's layers without changing what
   they compute, so identical layers are still traced once (``capture/reuse.py``).
 
@@ -20,6 +21,8 @@ model's type; the capture only receives it (``capture(adapter=...)``).
 from __future__ import annotations
 
 import contextlib
+
+import torch
 
 
 class Adapter:
@@ -36,6 +39,7 @@ class Adapter:
         """Names for the call's dims when the user gives none; ``None``: every dim ``<argument>_<dim>``."""
         return None
 
-    def capturing(self) -> contextlib.AbstractContextManager:
-        """A context held while capturing."""
+    def capturing(self, model: torch.nn.Module) -> contextlib.AbstractContextManager:
+        """A context held while capturing ``model`` (the twin of the user's model the trace runs on,
+        ``capture/isolation.py``: changes to it never reach the user's objects)."""
         return contextlib.nullcontext()

@@ -27,8 +27,9 @@ for the next real step), and must still see the arithmetic each rank does:
   names are the model's own, without ``_orig_mod.``). Compiled code a capture reaches inside a model
   runs as written (``capture/scope.py``).
 
-Engine hooks (forward hooks whose function comes from ``torch.distributed``) are suspended in the
-capturing thread only (``capture/scope.py``): a real step in another thread keeps them.
+Engine hooks (forward hooks whose function comes from ``torch.distributed``) do nothing in the twin of
+the module tree a capture traces (``capture/isolation.py``): the user's modules keep them, also for a
+real step in another thread meanwhile.
 Communication is not arithmetic and is not counted.
 """
 
@@ -43,7 +44,7 @@ from typing import Any
 
 import torch
 
-from fxflops.capture.scope import capturing, patched
+from fxflops.capture.scope import patched
 
 _ENGINE_PACKAGES = ("torch.distributed",)
 _HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks")
@@ -57,35 +58,23 @@ def _is_engine_hook(hook: Any) -> bool:
     return getattr(function, "__module__", "").startswith(_ENGINE_PACKAGES)
 
 
-def _suspended(hook: Any) -> Any:
-    """``hook`` everywhere except in a capturing thread, where it does nothing."""
-
-    def hook_outside_captures(*args: Any, **kwargs: Any) -> Any:
-        return None if capturing() else hook(*args, **kwargs)
-
-    hook_outside_captures.fxflops_engine_hook = hook
-    return hook_outside_captures
+def _does_nothing(*args: Any, **kwargs: Any) -> None:
+    return None
 
 
 @contextlib.contextmanager
 def engines_left_alone(model: torch.nn.Module) -> Iterator[None]:
-    """For the block (a capture): the engines' forward hooks on ``model``'s modules do nothing in the
-    capturing thread, and ``DistributedDataParallel`` runs its module directly."""
-    replaced: list[tuple[dict, Any, Any]] = []
+    """For the block (a capture of ``model``, a twin of the user's model: ``capture/isolation.py``,
+    whose hook dicts are its own): the engines' forward hooks on its modules do nothing, and
+    ``DistributedDataParallel`` runs its module directly."""
     for module in model.modules():
         for name in _HOOK_DICTS:
             hooks = vars(module).get(name)
             for key, hook in list(hooks.items()) if hooks else ():
                 if _is_engine_hook(hook):
-                    hooks[key] = _suspended(hook)
-                    replaced.append((hooks, key, hook))
-    try:
-        with _ddp_runs_its_module():
-            yield
-    finally:
-        for hooks, key, hook in replaced:
-            if key in hooks:
-                hooks[key] = hook
+                    hooks[key] = _does_nothing
+    with _ddp_runs_its_module():
+        yield
 
 
 @contextlib.contextmanager

@@ -20,7 +20,6 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from fxflops.capture.engines import compute_shapes
 from fxflops.capture.inputs import Path, put
 from fxflops.capture.phases import run_backward, tagging_recompute
 from fxflops.capture.reuse import LayerCalledTwice
@@ -119,6 +118,7 @@ def trace_graph(
     backward: bool = False,
     held: list[tuple[Any, Path, Any]] = (),
     non_leaf: frozenset[int] = frozenset(),
+    shapes: dict[int, torch.Size] | None = None,
 ) -> torch.fx.GraphModule:
     """``make_fx`` of ``model(*args, **kwargs)`` whose tensors are fakes of ``mode``; with
     ``backward``, also of the backward from its loss or outputs (``_backward_roots``; ``capture/phases.py``).
@@ -132,14 +132,15 @@ def trace_graph(
     Parameters and buffers enter as static-shaped fake placeholders, swapped in with
     ``functional_call``: the model's real state is never read for compute nor mutated (e.g.
     BatchNorm's ``num_batches_tracked += 1``). A distributed engine's sharded parameters get the
-    shape this rank computes with (``capture/engines.py``); a model on the ``meta`` device (no
+    shape this rank computes with: ``shapes`` by parameter id, ``compute_shapes`` (``capture/engines.py``)
+    of the user's model, whose engine state a twin of it is not registered for; a model on the ``meta`` device (no
     weights) has its parameters faked on the call's device. Nodes carry ``nn_module_stack`` relative to ``model``;
     ``gm.meta["output_structure"]`` keeps the output's pytree spec and its non-tensor leaves.
     """
     leaves, tree = pytree.tree_flatten((args, kwargs))
     slots = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
     state = {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers(remove_duplicate=False))}
-    shapes = compute_shapes(model)  # sharded parameters of distributed engines: what this rank computes with
+    shapes = shapes or {}  # sharded parameters of distributed engines: what this rank computes with
     with mode:
         fake_state = [
             torch.empty(tuple(shapes.get(id(t), t.shape)), dtype=t.dtype, device=_computing_device(t, leaves)).requires_grad_(t.requires_grad)

@@ -57,7 +57,6 @@ from fxflops.capture.graph import TENSOR, op_name, trace_graph
 from fxflops.capture.markers import per_segment_marker
 from fxflops.capture.phases import own_phases
 from fxflops.capture.reuse import layer_attributes, layer_state
-from fxflops.capture.scope import capturing
 from fxflops.capture.shape_env import BlamingShapeEnv
 from fxflops.errors import CaptureError
 
@@ -156,11 +155,13 @@ def _tie_to_rows(bound: inspect.BoundArguments, rows: Any, offsets: Any) -> None
 
 
 def trace_segment(
-    module: torch.nn.Module, path: str, bound: inspect.BoundArguments, offsets_name: str, backward: bool = False
+    module: torch.nn.Module, path: str, bound: inspect.BoundArguments, offsets_name: str, backward: bool = False,
+    shapes: dict[int, torch.Size] | None = None,
 ) -> tuple[Lifted, list]:
     """Trace ``module`` on one segment of symbolic length ``s`` (see the module docstring).
 
-    Returns the trace and, per tensor output, its (shape in ``s``, dtype).
+    Returns the trace and, per tensor output, its (shape in ``s``, dtype). ``shapes``: the parameters'
+    shapes as this rank computes with them (``trace_graph``).
     """
     packed = next(v for v in pytree.tree_leaves((bound.args, bound.kwargs)) if isinstance(v, torch.Tensor))
     rows = packed.shape[0]
@@ -193,7 +194,7 @@ def trace_segment(
     fake_offsets = next(
         f for f, v in zip(pytree.tree_leaves((args, kwargs)), pytree.tree_leaves((bound.args, bound.kwargs))) if v is offsets
     )
-    gm = trace_graph(module, mode, args, kwargs, backward)
+    gm = trace_graph(module, mode, args, kwargs, backward, shapes=shapes)
     inputs = [v for v in pytree.tree_leaves((args, kwargs)) if isinstance(v, torch.Tensor)]
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     offsets_node = placeholders[next(i for i, t in enumerate(inputs) if t is fake_offsets)]
@@ -229,13 +230,15 @@ def lifted_paths(model: torch.nn.Module, patterns: dict[str, str]) -> list[str]:
 
 @contextlib.contextmanager
 def install_stand_ins(
-    model: torch.nn.Module, patterns: dict[str, str], backward: bool = False, ignored: frozenset[str] = frozenset()
+    model: torch.nn.Module, patterns: dict[str, str], backward: bool = False, ignored: frozenset[str] = frozenset(),
+    shapes: dict[int, torch.Size] | None = None,
 ) -> Iterator[dict[str, Lifted]]:
     """Replace the forward of every module matching ``patterns`` by a lifting stand-in for the
-    duration of a capture (in the capturing thread: others run the real forward); yields
+    duration of a capture (``model`` is the twin a capture traces, ``capture/isolation.py``); yields
     ``{module path: Lifted}`` filled as the capture calls them. With ``backward`` each one-segment
     trace is a joint forward+backward trace. Modules of one kind (reuse's strict match, ``ignored``
-    attributes aside) called the same way are traced once; ``Lifted.path`` names the one traced."""
+    attributes aside) called the same way are traced once; ``Lifted.path`` names the one traced.
+    ``shapes``: the parameters' shapes as this rank computes with them (``trace_graph``)."""
     lifted: dict[str, Lifted] = {}
     if not patterns:
         yield lifted
@@ -252,7 +255,7 @@ def install_stand_ins(
     cache: dict[tuple, tuple[Lifted, list]] = {}
     calls = itertools.count()
     for path, (module, offsets_name) in matches.items():
-        module.forward = _stand_in(module, path, offsets_name, lifted, cache, backward, ignored, calls)
+        module.forward = _stand_in(module, path, offsets_name, lifted, cache, backward, ignored, calls, shapes)
     try:
         yield lifted
     finally:
@@ -266,14 +269,14 @@ def _same(tensor: torch.Tensor) -> torch.Tensor:
 
 def _stand_in(
     module: torch.nn.Module, path: str, offsets_name: str, lifted: dict, cache: dict, backward: bool, ignored: frozenset[str],
-    calls: Iterator[int],
+    calls: Iterator[int], shapes: dict[int, torch.Size] | None,
 ) -> Any:
     original = type(module).forward.__get__(module)
     signature = inspect.signature(original)
     tracing_segment = [False]
 
     def forward(*args: Any, **kwargs: Any) -> Any:
-        if tracing_segment[0] or not capturing():  # the one-segment trace itself, or another thread
+        if tracing_segment[0]:  # the one-segment trace itself
             return original(*args, **kwargs)
         bound = signature.bind(*args, **kwargs)
         packed = next(v for v in pytree.tree_leaves((bound.args, bound.kwargs)) if isinstance(v, torch.Tensor))
@@ -297,7 +300,7 @@ def _stand_in(
                 # checkpointed block when the one-segment backward reads a saved tensor)
                 with disable_proxy_modes_tracing(), unset_fake_temporarily(), own_phases(), \
                         torch.autograd.graph.saved_tensors_hooks(_same, _same):
-                    cache[key] = trace_segment(module, path, bound, offsets_name, backward)
+                    cache[key] = trace_segment(module, path, bound, offsets_name, backward, shapes)
             finally:
                 tracing_segment[0] = False
         lifted[path], outs = cache[key]

@@ -5,7 +5,8 @@ flags such as ``gradient_checkpointing``, numbers such as a norm's ``eps``, the 
 object (``config._attn_implementation``). torch.compile guards on the attributes its trace read;
 fxflops does the same. While capturing (and only in the capturing thread, ``capture/scope.py``),
 every attribute read on the model's modules, and on the plain Python objects they hold (configs,
-dataclasses; two levels deep), is recorded by name. :func:`recording_reads` yields the
+dataclasses; two levels deep), is recorded by name (on the twin the trace runs on, under the user's
+object it copies). :func:`recording_reads` fills a
 :class:`Reads`; ``fxflops/situation.py`` turns them into guards on the *real* state after the capture.
 
 Reads inside a layer billed as a copy of a traced one (``capture/reuse.py``, a lifted module's cached
@@ -69,12 +70,17 @@ def _is_held(value: Any) -> bool:
 
 
 @contextlib.contextmanager
-def recording_reads(model: torch.nn.Module) -> Iterator[Reads]:
-    """Record attribute reads on ``model``'s modules and held objects for the block (a capture)."""
-    reads = Reads()
-    modules = {id(vars(m)): reads.modules.setdefault(id(vars(m)), set()) for m in model.modules()}
+def recording_reads(model: torch.nn.Module, reads: Reads, originals: dict[int, Any]) -> Iterator[None]:
+    """Record attribute reads on ``model``'s modules and held objects for the block (a capture) into
+    ``reads``, under the objects they copy: ``model`` is a twin (``capture/isolation.py``) and
+    ``originals`` maps its objects' ids to the user's."""
+
+    def own(obj: Any) -> Any:
+        return originals.get(id(obj), obj)
+
+    modules = {id(vars(m)): reads.modules.setdefault(id(vars(own(m))), set()) for m in model.modules()}
     held = held_objects(model)
-    held_names = {key: reads.held.setdefault(key, set()) for key in held}
+    held_names = {key: reads.held.setdefault(id(own(obj)), set()) for key, obj in held.items()}
     classes = {type(obj) for obj in held.values()}
     with contextlib.ExitStack() as stack:
         original = stack.enter_context(patched(torch.nn.Module, "__getattribute__", lambda self, name: record(self, name)))
@@ -91,7 +97,7 @@ def recording_reads(model: torch.nn.Module) -> Iterator[Reads]:
                 stack.enter_context(_recording_class(cls, held_names))
             except TypeError:  # an extension type, whose attributes cannot be set: its reads go unrecorded
                 continue
-        yield reads
+        yield
 
 
 def _recording_class(cls: type, held_names: dict[int, set[str]]) -> contextlib.AbstractContextManager:

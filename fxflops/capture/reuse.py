@@ -45,7 +45,6 @@ import torch
 import torch.utils._pytree as pytree
 
 from fxflops.capture.markers import repeat_marker
-from fxflops.capture.scope import capturing
 
 _PLAIN = (bool, int, float, str, type(None))
 
@@ -140,8 +139,6 @@ def reusing_repeated_layers(
         original = type(layer).forward.__get__(layer)
 
         def forward(*args: Any, **kwargs: Any) -> Any:
-            if not capturing():  # another thread running the model meanwhile
-                return original(*args, **kwargs)
             if path in called:
                 raise LayerCalledTwice(path)
             called.add(path)

@@ -23,10 +23,10 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fxflops.capture.adapters import Adapter
-from fxflops.capture.engines import engines_left_alone
+from fxflops.capture.engines import compute_shapes, engines_left_alone
 from fxflops.capture.graph import trace_graph
 from fxflops.capture.inputs import DimSpec, Path, bind_call, held_ints, is_metadata, resolve_dims, tensor_leaves
-from fxflops.capture.isolation import isolated_call, preserving_state
+from fxflops.capture.isolation import isolated_call, preserving_state, twin_of
 from fxflops.capture.lifting import Lifted, install_stand_ins, lifted_paths
 from fxflops.capture.reads import Reads, recording_reads
 from fxflops.capture.reuse import LayerCalledTwice, Reuse, reusing_repeated_layers
@@ -107,7 +107,8 @@ def _attaching(reads: Reads) -> Iterator[None]:
 
 def _trace_once(
     model: torch.nn.Module, call: tuple[tuple, dict], tensors: dict[Path, torch.Tensor], integers: dict[Path, int],
-    specs: list[DimSpec], reusing: bool, backward: bool, adapter: Adapter, per_segment: dict[str, str],
+    specs: list[DimSpec], reusing: bool, backward: bool, adapter: Adapter, per_segment: dict[str, str], reads: Reads,
+    shapes: dict[int, torch.Size],
 ) -> _Trace:
     """The call traced with ``specs`` free (and repeated layers reused when ``reusing``)."""
     env = BlamingShapeEnv()
@@ -118,10 +119,13 @@ def _trace_once(
     args, kwargs = pytree.tree_map(lambda v: fake_by_id.get(id(v), v) if isinstance(v, torch.Tensor) else v, call)
     held = held_inputs(bind_call(model.forward, args, kwargs), {**fakes, **symints})
     non_leaf = frozenset(id(fakes[path]) for path, t in tensors.items() if t.requires_grad and not t.is_leaf)
-    with adapter.capturing(), install_stand_ins(model, per_segment, backward, adapter.same_layer_attributes) as lifted:
-        skip = set(lifted_paths(model, per_segment))
-        with reusing_repeated_layers(model, skip, backward, reusing, adapter.same_layer_attributes) as reuse:
-            gm = trace_graph(model, mode, args, kwargs, backward, held, non_leaf)
+    twin = twin_of(model)  # the trace runs on, and writes to, its own copy of the module tree
+    tree, ignored = twin.model, adapter.same_layer_attributes
+    with recording_reads(tree, reads, twin.originals), engines_left_alone(tree), adapter.capturing(tree), \
+            install_stand_ins(tree, per_segment, backward, ignored, shapes) as lifted:
+        skip = set(lifted_paths(tree, per_segment))
+        with reusing_repeated_layers(tree, skip, backward, reusing, ignored) as reuse:
+            gm = trace_graph(tree, mode, args, kwargs, backward, held, non_leaf, shapes)
     return _Trace(gm, env, env_syms, fakes, symints, lifted, reuse)
 
 
@@ -181,12 +185,14 @@ def capture(
         if tensors[spec.path].shape[spec.dim] == 1 and not (spec.dim == 0 and is_metadata(tensors[spec.path]))
     ] if dims is None else []
     leaves = pytree.tree_leaves((args, kwargs))
+    reads = Reads()
     with capture_scope():
         own_args, own_kwargs, uncopied = isolated_call(args, kwargs)
-        with preserving_state(model, uncopied), engines_left_alone(model), recording_reads(model) as reads, _attaching(reads):
+        with preserving_state(model, uncopied), _attaching(reads):
             trace, specs = _trace(
                 model, (own_args, own_kwargs), tensors, held_ints(named), specs, size_one,
-                backward=backward, adapter=adapter, per_segment=per_segment,
+                backward=backward, adapter=adapter, per_segment=per_segment, reads=reads,
+                shapes=compute_shapes(model),  # sharded parameters: what this rank computes with
             )
     pinned = check_free(trace.env, trace.env_syms, strict=dims is not None and not allow_pins)
     env_to_named = {sym: named_symbol(name) for name, sym in trace.env_syms.items()}
