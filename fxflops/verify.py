@@ -22,6 +22,7 @@ convention) with ``formula``:
 
 from __future__ import annotations
 
+import functools
 import inspect
 import random
 import re
@@ -56,20 +57,26 @@ class Attribution:
     sizes: tuple[sympy.Expr, sympy.Expr] | None = None  # (the formula's size, the traced one) of a whole module
     how: str = ""  # how the module explains a single-monomial term, e.g. "counted with size 512 where the model has 500"
     alternatives: tuple[str, ...] = ()  # other explanations of the same term: the attribution is ambiguous
+    twins: tuple[str, ...] = ()  # other modules with the same polynomial: they explain it just as well
 
-    def _explained(self) -> str:
+    def _explained(self, where: str | None = None) -> str:
+        where = where or self.where
+        if self.sizes is not None:
+            return f"{where} counted at {self.sizes[0]}, traced {self.sizes[1]}"
         if self.factor is not None:  # a whole module, counted 1 - factor times
             times = 1 - self.factor
-            return f"{self.where} left out" if times == 0 else f"{self.where} counted {times}x"
-        return f"{self.where} {self.how}" if self.how else self.where
+            return f"{where} left out" if times == 0 else f"{where} counted {times}x"
+        return f"{where} {self.how}" if self.how else where
 
     def __str__(self) -> str:
-        if self.alternatives:
+        if self.alternatives or self.twins:
             coefficient, monomial = sympy.sympify(self.expr).as_coeff_Mul()
             word = "missing" if coefficient > 0 else "extra"
-            shown = [self._explained(), *self.alternatives[:2]]
-            more = f" (or {len(self.alternatives) - 2} more)" if len(self.alternatives) > 2 else ""
-            return f"ambiguous {word} {abs(coefficient) * monomial}: " + " or ".join(shown) + more
+            what = f"{word} {abs(coefficient) * monomial}" if not monomial.is_Add else f"difference {self.expr}"
+            others = [*(self._explained(twin) for twin in self.twins), *self.alternatives]
+            shown = [self._explained(), *others[:2]]
+            more = f" (or {len(others) - 2} more)" if len(others) > 2 else ""
+            return f"ambiguous {what}: " + " or ".join(shown) + more
         if self.sizes is not None:
             return f"{self.where}: counted at {self.sizes[0]}, traced {self.sizes[1]} (the difference is {self.expr})"
         if self.factor is None:
@@ -163,14 +170,38 @@ def _module_polynomials(program: Any, root: str, phase: str | None, convention: 
     return [(root or "<model>", _plain(program.formula(root, phase, convention))), *polys]
 
 
-def _coincidences(where: str, part: sympy.Expr, named: list, dims_of: Callable[[str, sympy.Expr], set[int]] | None) -> tuple[str, ...]:
+def _coincidences(
+    where: str, part: sympy.Expr, named: list, dims_of: Callable[[str, sympy.Expr], set[int]] | None, bound: sympy.Rational | None
+) -> list[tuple[sympy.Rational, str, str]]:
     """A whole-module match of a module whose polynomial is one term c·m is only a coefficient match:
-    the other modules that would explain ``part`` with another static size (none: the match stands)."""
+    the other modules that would explain ``part`` with another static size, as ``_resized`` gives
+    them (none: the match stands)."""
     terms = sympy.expand(part).as_coefficients_dict()
     if dims_of is None or len(terms) != 1:
-        return ()
+        return []
     ((monomial, coefficient),) = terms.items()
-    return tuple(f"{w} {how}" for w, how in _resized(monomial, coefficient, _holders(named, monomial), dims_of) if not _related(w, where))
+    return [(change, w, how) for change, w, how in _resized(monomial, coefficient, _holders(named, monomial), dims_of, bound) if not _related(w, where)]
+
+
+def _whole_module(where: str, r: sympy.Rational, poly: sympy.Expr, named: list, dims_of: Callable | None) -> Attribution:
+    """``r``·(the polynomial of ``where``) of the difference as one attribution: the module left out
+    (r = 1) or counted 1 − r times. A module counted k times explains a one-term difference no
+    better than any other module counted with one size changed (a padded vocabulary in ``lm_head``
+    gives the same term as one projection counted twice): such matches are ambiguous, whatever the
+    size change, and the explanation that changes its module's count the least comes first.
+    Leaving a module out (the commonest formula bug) stays first. Another module with the very same
+    polynomial (Qwen3-VL's merger and its one deepstack merger) is a twin: ambiguous too."""
+    part = sympy.expand(r * poly)
+    terms = sympy.expand(poly).as_coefficients_dict()
+    # one member of a repeated stack (an indexed path) is never a hand formula's unit: not a twin
+    twins = tuple(w for w, other in named if other == terms and w != where and not _related(w, where) and not _INDEX.search(w))
+    alternatives = _coincidences(where, part, named, dims_of, None if r <= -1 else _PLAUSIBLE_RESIZE)
+    described = tuple(f"{w} {how}" for _, w, how in alternatives)
+    if r <= -1 and alternatives and alternatives[0][0] < abs(r):  # the module counted 1 - r times changes it by |r|
+        _, first, how = alternatives[0]
+        counted = (Attribution(where, part, r)._explained(), *(Attribution(w, part, r)._explained() for w in twins))
+        return Attribution(first, part, how=how, alternatives=(*counted, *described[1:]))
+    return Attribution(where, part, r, alternatives=described, twins=twins)
 
 
 def _in_module(path: str, where: str, inside: bool = False) -> bool:
@@ -207,39 +238,51 @@ def _multiple(difference: sympy.Expr, poly: sympy.Expr) -> sympy.Integer | None:
     return ratio if ratio is not None and ratio.is_integer and (ratio == 1 or ratio <= -1) else None
 
 
-def _counted_at_another_size(found: list[Attribution], rest: sympy.Expr) -> tuple[list[Attribution], sympy.Expr]:
-    """A module (or one term of it) found missing, c·T(x), while the rest of the difference, in no
-    traced module, is −c·T′(x) in the same sizes, or one term with exactly that coefficient: the
-    formula counts that module at another size T′ (a merger at 5·⌊P/20⌋ tokens instead of ⌊P/4⌋,
-    attention over an average image, P²/B, instead of Σ sᵢ²). Returns the attributions with that one
-    restated, and what stays unexplained."""
-    if rest == 0:
-        return found, rest
+def _at_another_size(a: Attribution, rest: sympy.Expr, related_only: bool) -> Attribution | None:
+    """A module (or one term of it) found missing, c·T(x), while the rest of the difference is
+    −c·T′(x): the formula counts that module at another size T′ (a merger at 5·⌊P/20⌋ tokens
+    instead of ⌊P/4⌋, attention over an average image P²/B instead of Σ sᵢ², a projector at the
+    patches before pooling). T′ must be in the sizes of T, or T in those of T′ (``related_only``),
+    or (else) one term. Both sizes are shown with the smallest integer coefficients: c's content
+    moves into them (``16*images`` tokens, not ``images``). ``None`` when it is not so."""
+    missing = a.factor == 1 or (a.factor is None and not a.alternatives and sympy.sympify(a.expr).as_coeff_Mul()[0] > 0)
+    if rest == 0 or not missing:
+        return None
+    content, traced = sympy.sympify(a.expr).as_content_primitive()
+    counted = sympy.expand(-rest / content)  # the formula has c·T′ where the program has c·T
+    related = counted.free_symbols <= traced.free_symbols or traced.free_symbols <= counted.free_symbols
+    one_term = len(sympy.Add.make_args(counted)) == 1 and counted.as_coeff_Mul()[0] > 0
+    if counted == 0 or sympy.expand(counted - traced) == 0 or not (related if related_only else related or one_term):
+        return None
+    scale = functools.reduce(sympy.ilcm, (sympy.fraction(c)[1] for c in counted.as_coefficients_dict().values()), 1)
+    if not (content / scale).is_integer:
+        return None
+    sizes = (sympy.expand(scale * counted), sympy.expand(scale * traced))
+    return Attribution(a.where, sympy.expand(a.expr + rest), sizes=sizes, twins=a.twins)
+
+
+def _restated(found: list[Attribution], rest: sympy.Expr, related_only: bool) -> tuple[list[Attribution], sympy.Expr]:
+    """The attributions with the first missing one that ``rest`` restates at another size
+    (``_at_another_size``) restated, and the rest left; unchanged when none does."""
     for i, a in enumerate(found):
-        missing = a.factor == 1 or (a.factor is None and not a.alternatives and sympy.sympify(a.expr).as_coeff_Mul()[0] > 0)
-        if not missing:
-            continue
-        content, traced_size = sympy.sympify(a.expr).as_content_primitive()
-        counted_size = sympy.expand(-rest / content)  # the formula has c·T′ where the program has c·T
-        same_sizes = counted_size.free_symbols <= traced_size.free_symbols
-        one_term = len(sympy.Add.make_args(counted_size)) == 1 and counted_size.as_coeff_Mul()[0] == 1
-        if counted_size != 0 and (same_sizes or one_term) and sympy.expand(counted_size - traced_size) != 0:
-            restated = Attribution(a.where, sympy.expand(a.expr + rest), sizes=(counted_size, traced_size))
+        restated = _at_another_size(a, rest, related_only)
+        if restated is not None:
             return [*found[:i], restated, *found[i + 1 :]], sympy.Integer(0)
     return found, rest
 
 
 def _resized(
-    monomial: sympy.Expr, coefficient: sympy.Expr, holders: list[tuple[str, sympy.Expr]], dims_of: Callable[[str, sympy.Expr], set[int]]
-) -> list[tuple[str, str]]:
+    monomial: sympy.Expr, coefficient: sympy.Expr, holders: list[tuple[str, sympy.Expr]], dims_of: Callable[[str, sympy.Expr], set[int]],
+    bound: sympy.Rational | None = _PLAUSIBLE_RESIZE,
+) -> list[tuple[sympy.Rational, str, str]]:
     """Modules (or groups) that explain ``coefficient·monomial`` as one of their static sizes s
-    counted as another integer s′ = s·(c − d)/c within an eighth of s (a padded vocabulary in
-    ``lm_head``, a hidden size rounded): (where, how), a group instead of its members, the deepest
-    of a chain; the smallest change of size first."""
+    counted as another integer s′ = s·(c − d)/c, within ``bound`` of s (``None``: any; a padded
+    vocabulary in ``lm_head``, a hidden size rounded): (relative change, where, how), a group
+    instead of its members, the deepest of a chain; the smallest change of size first."""
     found: dict[str, tuple[sympy.Rational, str]] = {}  # where -> (smallest relative change, how)
     for where, c in holders:
         ratio = (c - coefficient) / c  # the formula's size over the model's
-        if abs(ratio - 1) > _PLAUSIBLE_RESIZE:
+        if bound is not None and abs(ratio - 1) > bound:
             continue
         sizes = [s for s in sorted(dims_of(where, monomial)) if (s * ratio).is_integer and 0 < s * ratio != s]
         if sizes:
@@ -247,54 +290,75 @@ def _resized(
     groups = [w for w in found if "*" in w]
     kept = [w for w in found if not any(g != w and _in_module(w, g) for g in groups)]
     kept = [w for w in kept if not any(o != w and o.startswith(w + ".") for o in kept)]  # deepest
-    return [(w, found[w][1]) for w in sorted(kept, key=lambda w: (found[w][0], w))]
+    return [(found[w][0], w, found[w][1]) for w in sorted(kept, key=lambda w: (found[w][0], w))]
 
 
 def attribute(
     difference: sympy.Expr, modules: list[tuple[str, sympy.Expr]], dims_of: Callable[[str, sympy.Expr], set[int]] | None = None
 ) -> tuple[list[Attribution], sympy.Expr]:
-    """Explain ``difference`` by whole module polynomials (the model first, then shallowest modules),
-    then monomial by monomial: the deepest module (or group) holding exactly that term, or one whose
-    static size (``dims_of``) the formula changed — when both, or several, fit, the attribution is
-    ambiguous and lists them; else the top-level modules if together they hold exactly it; else (a
-    part of a term) the deepest modules holding it. Returns the attributions and the unexplained rest."""
+    """Explain ``difference`` by structure first, then by coefficient:
+
+    1. whole module polynomials (the model first, then shallowest modules): left out, or counted k
+       times (``_whole_module``); a module left out while the rest is that module at another,
+       related size is restated so at once (``_at_another_size``), before any coincidence;
+    2. a module left out while no term of the rest has a module of its own: restated at another size;
+    3. monomial by monomial (``_by_monomial``);
+    4. a missing module or term whose size the unexplained rest restates.
+
+    Returns the attributions and the unexplained rest."""
     found: list[Attribution] = []
     rest = sympy.expand(difference)
     named = [(w, p.as_coefficients_dict()) for w, p in modules[1:]]
     for where, poly in modules:
         r = _multiple(rest, poly) if rest != 0 else None
         if r is not None and r != 0:
-            found.append(Attribution(where, sympy.expand(r * poly), r, alternatives=_coincidences(where, r * poly, named, dims_of)))
-            rest = sympy.expand(rest - r * poly)
+            found.append(_whole_module(where, r, poly, named, dims_of))
+            rest = sympy.expand(rest - found[-1].expr)
+            restated = _at_another_size(found[-1], rest, related_only=True) if found[-1].factor == 1 else None
+            if restated is not None:
+                found[-1], rest = restated, sympy.Integer(0)
+    if rest != 0 and not any(_by_monomial(m, c, named, dims_of, owned_only=True) for m, c in rest.as_coefficients_dict().items()):
+        found, rest = _restated(found, rest, related_only=False)
     unexplained = sympy.Integer(0)
     for monomial, coefficient in rest.as_coefficients_dict().items():
-        holders = _holders(named, monomial)
-        exact = [w for w, c in holders if c == coefficient or c == -coefficient]
-        chosen = None
-        if exact:
-            deepest = max(map(path_depth, exact))
-            candidates = sorted(w for w in exact if path_depth(w) == deepest)
-            chosen = next((w for w in candidates if "*" in w), candidates[0])
-        resized = _resized(monomial, coefficient, holders, dims_of) if dims_of is not None else []
-        others = [(w, how) for w, how in resized if chosen is None or not _related(w, chosen)]
-        described = tuple(f"{w} {how}" for w, how in others)
-        if chosen is not None and others:
-            found.append(Attribution(chosen, coefficient * monomial, alternatives=described))
-        elif chosen is None and others:
-            found.append(Attribution(others[0][0], coefficient * monomial, how=others[0][1], alternatives=described[1:]))
-        elif chosen is not None:
-            found.append(Attribution(chosen, coefficient * monomial))
-        elif holders:
-            top = [(w, c) for w, c in holders if "." not in w and "*" not in w]
-            if abs(sum(c for _, c in top)) == abs(coefficient):  # the term of the top-level modules together
-                found.append(Attribution(", ".join(sorted(w for w, _ in top)), coefficient * monomial))
-            else:  # a part of the term: where it is computed, the deepest holders
-                deepest = max(path_depth(w) for w, _ in holders)
-                at = sorted(w for w, _ in holders if path_depth(w) == deepest)
-                found.append(Attribution(", ".join([w for w in at if "*" in w][:1] or at), coefficient * monomial))
-        else:
+        attribution = _by_monomial(monomial, coefficient, named, dims_of)
+        if attribution is None:
             unexplained += coefficient * monomial
-    return _counted_at_another_size(found, unexplained)
+        else:
+            found.append(attribution)
+    return _restated(found, unexplained, related_only=False)
+
+
+def _by_monomial(
+    monomial: sympy.Expr, coefficient: sympy.Expr, named: list, dims_of: Callable | None, owned_only: bool = False
+) -> Attribution | None:
+    """One term of the difference: the deepest module (or group) holding exactly that term, or one
+    whose static size (``dims_of``) the formula changed — when both, or several, fit, the
+    attribution is ambiguous and lists them; else (unless ``owned_only``) the top-level modules if
+    together they hold exactly it; else (a part of a term) the deepest modules holding it. ``None``:
+    no module holds it."""
+    holders = _holders(named, monomial)
+    exact = [w for w, c in holders if c == coefficient or c == -coefficient]
+    chosen = None
+    if exact:
+        deepest = max(map(path_depth, exact))
+        candidates = sorted(w for w in exact if path_depth(w) == deepest)
+        chosen = next((w for w in candidates if "*" in w), candidates[0])
+    resized = _resized(monomial, coefficient, holders, dims_of) if dims_of is not None else []
+    others = [(w, how) for _, w, how in resized if chosen is None or not _related(w, chosen)]
+    described = tuple(f"{w} {how}" for w, how in others)
+    if chosen is not None:
+        return Attribution(chosen, coefficient * monomial, alternatives=described)
+    if others:
+        return Attribution(others[0][0], coefficient * monomial, how=others[0][1], alternatives=described[1:])
+    if not holders or owned_only:
+        return None
+    top = [(w, c) for w, c in holders if "." not in w and "*" not in w]
+    if abs(sum(c for _, c in top)) == abs(coefficient):  # the term of the top-level modules together
+        return Attribution(", ".join(sorted(w for w, _ in top)), coefficient * monomial)
+    deepest = max(path_depth(w) for w, _ in holders)  # a part of the term: where it is computed, the deepest holders
+    at = sorted(w for w, _ in holders if path_depth(w) == deepest)
+    return Attribution(", ".join([w for w in at if "*" in w][:1] or at), coefficient * monomial)
 
 
 def _static_sizes(program: Any, convention: Convention, equal_to: dict) -> Callable[[str, sympy.Expr], set[int]]:

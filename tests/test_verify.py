@@ -298,16 +298,22 @@ def test_a_padded_vocabulary_is_put_on_lm_head_and_called_ambiguous():
 
 
 def test_a_coefficient_that_coincides_with_a_module_is_ambiguous(vlm):
-    """A formula counting every k_proj twice matches k_proj exactly, but other projections counted
-    with another size explain the same term: ambiguous, k_proj first."""
+    """A formula counting every k_proj twice matches k_proj exactly, and v_proj (the same polynomial
+    under grouped-query attention) just as well; lm_head counted with a vocabulary larger by
+    k_proj's share of lm_head explains the same term with a smaller change of its module (12.5%,
+    not 100%): ambiguous, lm_head first, then k_proj and v_proj counted twice."""
     cfg, program = vlm
     k_proj = cfg.layers * 2 * cfg.hidden * cfg.kv_heads * (cfg.hidden // cfg.heads)
     verdict = fxflops.verify(
         program, lambda tokens, patches, text_p2, frames_p2: forward_flops_formula(cfg, tokens, patches, text_p2, frames_p2) + k_proj * tokens
     )
     (attribution,) = verdict.attributions
-    assert str(attribution).startswith(f"ambiguous extra {k_proj}*tokens: language_model.layers.*.self_attn.k_proj counted 2x or ")
-    assert "lm_head counted with size" in str(attribution) and "576 where the model has 512" in str(attribution)
+    vocab = cfg.vocab + k_proj // (2 * cfg.hidden)  # 2·H·V′ = 2·H·V + k_proj
+    assert str(attribution).startswith(f"ambiguous extra {k_proj}*tokens: lm_head counted with size ")
+    assert f"{vocab} where the model has {cfg.vocab}" in str(attribution)
+    assert str(attribution).endswith(
+        "language_model.layers.*.self_attn.k_proj counted 2x or language_model.layers.*.self_attn.v_proj counted 2x (or 6 more)"
+    )
 
 
 def test_attention_over_an_average_image_is_named(hf_qwen2_vl):
@@ -362,3 +368,91 @@ def test_a_left_out_patch_embedding_is_named_in_every_zoo_family(family):
     assert verdict.unexplained == 0 and attribution.factor == 1
     assert conv_path.startswith(attribution.where) and sympy.expand(_plain(program.formula(attribution.where)) - left_out) == 0
     assert str(attribution) == f"missing {attribution.where} (the formula leaves out {left_out})"
+
+
+def _projector_weights(module: torch.nn.Module) -> int:
+    """Multiply-adds per token of a projector: its linear layers' weights and its own 2-D weight
+    parameters (Gemma 3's ``mm_input_projection_weight``)."""
+    linears = sum(m.weight.numel() for m in module.modules() if isinstance(m, torch.nn.Linear))
+    return linears + sum(p.numel() for p in module.parameters(recurse=False) if p.dim() == 2)
+
+
+def _merger_bug(family: str, model, symbols: dict):
+    """(the merger module, its tokens, the tokens a buggy formula counts it at), from the config:
+    Qwen-VL mergers join spatial_merge_size² patches (the buggy count 5·⌊P/20⌋); LLaVA's projector
+    takes the tower's patches without CLS (the buggy count keeps one more per image); Gemma 3's
+    pools them to mm_tokens_per_image (the buggy count is before pooling)."""
+    vision = model.config.vision_config
+    if family.startswith("qwen"):
+        merged = symbols["patches"] // vision.spatial_merge_size**2
+        return "model.visual.merger", merged, 5 * (symbols["patches"] // 20)
+    images, per_side = symbols["images"], vision.image_size // vision.patch_size
+    if family == "gemma3":
+        patches = images * (symbols["height"] // vision.patch_size) * (symbols["width"] // vision.patch_size)
+        return "model.multi_modal_projector", images * model.config.mm_tokens_per_image, patches
+    if family == "llava_siglip":
+        patches = images * (symbols["height"] // vision.patch_size) * (symbols["width"] // vision.patch_size)
+    else:
+        patches = images * per_side**2
+    return "model.multi_modal_projector", patches, patches + images
+
+
+@pytest.mark.long
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "llava_clip", "llava_siglip", "gemma3"])
+def test_formula_bugs_are_named_in_every_zoo_family(family):
+    """Three hand-formula bugs on each zoo family, each formula the traced model with one part
+    replaced by its hand count (from the config and the weights):
+
+    - a vocabulary padded to a multiple of 384 (Megatron's 128 x tensor-parallel 3): lm_head first,
+      ambiguous (a projection counted twice gives the same term on these tiny models);
+    - the merger at the wrong token count: named "counted at T', traced T" where the sizes tell it
+      (Qwen: floors; Gemma 3: before pooling), with Qwen3-VL's one deepstack merger, which has the
+      very same polynomial, named beside it; on LLaVA's projector one token more per image is only a
+      coefficient (16 vs 17 tokens of one size), which other layers explain as well: ambiguous;
+    - Qwen-VL towers: attention over an average image, P²/B instead of Σ sᵢ² (fixed-size towers have
+      one image size: the average is exact there).
+
+    Never a "not in any traced module" rest."""
+    pytest.importorskip("transformers")
+    from fxflops.models import hf_zoo
+
+    model = hf_zoo.build(family, "sdpa")
+    wrapper = fxflops.instrument(model, strict=True)
+    with torch.no_grad():
+        wrapper(**hf_zoo.random_batch(family, random.Random(2)))
+    program = wrapper.program
+    symbols = {str(s): s for s in program.all_symbols}
+    traced = _plain(program.formula())
+    text = model.config.get_text_config()
+    padded = -(-text.vocab_size // 384) * 384
+    extra = 2 * text.hidden_size * (padded - text.vocab_size)
+    verdict = fxflops.verify(program, traced + extra * symbols["batch"] * symbols["seq"])
+    (attribution,) = verdict.attributions
+    assert str(attribution).startswith(f"ambiguous extra {extra}*batch*seq: lm_head counted with size ")
+    assert f"{padded} where the model has {text.vocab_size}" in str(attribution)
+    assert list(verdict.by_module) == ["lm_head"] and verdict.unexplained == 0
+
+    merger, tokens, buggy = _merger_bug(family, model, symbols)
+    per_token = 2 * _projector_weights(model.get_submodule(merger))
+    assert sympy.expand(_plain(program.formula(merger)) - per_token * _plain(tokens)) == 0  # the hand count of the merger
+    verdict = fxflops.verify(program, sympy.expand(traced + per_token * _plain(buggy - tokens)))
+    (attribution,) = verdict.attributions
+    assert verdict.unexplained == 0
+    if family.startswith("llava"):
+        assert str(attribution).startswith(f"ambiguous extra {per_token * (buggy - tokens)}: ")
+    else:
+        shown = f"{merger}: counted at {_plain(buggy)}, traced {_plain(tokens)}"
+        if family.startswith("qwen3"):  # one deepstack merger: the same polynomial as the merger
+            shown = f"{merger} counted at {_plain(buggy)}, traced {_plain(tokens)} or model.visual.deepstack_merger_list counted at"
+        assert shown in str(attribution) and list(verdict.by_module) == [merger]
+
+    if family.startswith("qwen"):
+        vision = model.config.vision_config
+        full = len(getattr(vision, "fullatt_block_indexes", None) or range(vision.depth))  # blocks attending per image
+        width = getattr(vision, "embed_dim", None) or vision.hidden_size  # Qwen2-VL names it embed_dim
+        core = 4 * width * full  # SDPA forward per block: 4·(heads·head_dim)·Σ sᵢ²
+        p2, patches, batch = symbols["image_cu_seqlens_p2"], symbols["patches"], symbols["batch"]
+        verdict = fxflops.verify(program, sympy.expand(traced - core * p2 + core * patches**2 / batch))
+        (attribution,) = verdict.attributions
+        assert str(attribution).startswith("model.visual.blocks.*.attn: counted at patches**2/batch, traced image_cu_seqlens_p2")
+        assert verdict.unexplained == 0
