@@ -68,9 +68,12 @@ def _padded(rng: random.Random, batch: int, seq: int) -> torch.Tensor:
     return mask
 
 
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
-def test_a_causal_mask_with_padding_is_read_from_the_graph(kind):
-    model = _text_model(kind, "sdpa").eval()
+def test_a_causal_mask_with_padding_is_read_from_the_graph(kind, attn):
+    """The mask HF builds from ``attention_mask``, handed to SDPA or added to the scores of attention
+    written as matrix products (eager: both products are the attention core)."""
+    model = _text_model(kind, attn).eval()
     eager = _text_model(kind, "eager").eval()
     eager.load_state_dict(model.state_dict())
     wrapper = fxflops.instrument(model, strict=True)

@@ -16,11 +16,16 @@ axis plus an offset), a :class:`Keep` (a boolean tensor: a conjunction of linear
 positions and lookups of input tensors at positions), an input or a scalar. :func:`read_causal`
 recognises the conjunction "key ≤ query + c", optionally with "the padding input is non-zero at
 (batch, key)": a :class:`CausalMask`. Anything else stays unread: counted dense, with a note.
+
+Attention written as matrix products (``eager`` attention: ``softmax(Q·Kᵀ·scale + mask)·V``) has
+no attention op to carry the mask: :func:`eager_attention` finds the two ``bmm`` nodes and the mask
+added between them, so both products are counted as causal when the mask reads so.
 """
 
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass
 from typing import Any
 
@@ -292,6 +297,10 @@ class MaskReader:
 
     _on_new_ones = _on_ones
 
+    def _on_zeros(self, node: torch.fx.Node, args: list, val: torch.Tensor) -> float | None:
+        """A floating zeros tensor of one element (``where(keep, zeros([]), min)``, the eager mask) is 0."""
+        return 0.0 if val.dtype.is_floating_point and val.dim() == 0 else None
+
     def _on_bitwise_and(self, node: torch.fx.Node, args: list, val: torch.Tensor) -> Keep | None:
         a, b = (_as_keep(v) for v in args[:2])
         if a is None or b is None or val.dtype != torch.bool:
@@ -337,3 +346,67 @@ def read_causal(reader: MaskReader, mask: torch.fx.Node) -> CausalMask | None:
         return CausalMask(offset, None)
     ((path, index),) = keep.lookups
     return CausalMask(offset, path) if rank == 4 and index == (axis(3), axis(0)) else None
+
+
+_aten = torch.ops.aten
+_SCORE_STEPS = {  # ops between the scores Q·Kᵀ and the weights that multiply V, that keep (b, q, k) in place
+    _aten.view.default, _aten._unsafe_view.default, _aten.expand.default, _aten.clone.default, _aten._to_copy.default,
+    _aten.mul.Tensor, _aten.div.Tensor, _aten.mul.Scalar, _aten.div.Scalar, _aten.alias.default,
+}
+_SOFTMAX = {_aten._softmax.default, _aten.softmax.int, _aten._safe_softmax.default}
+_BMM = _aten.bmm.default
+
+
+@dataclass(frozen=True)
+class EagerAttention:
+    """Attention written as matrix products (Hugging Face's ``eager_attention_forward``): ``scores``
+    = Q·Kᵀ (a ``bmm``), ``add`` adds the ``mask`` to the (B, H, Q, K) scores, a softmax, and the
+    ``weighted`` ``bmm`` multiplies the weights by V."""
+
+    scores: torch.fx.Node
+    weighted: torch.fx.Node
+    add: torch.fx.Node
+    mask: torch.fx.Node
+
+
+def _scalar(value: Any) -> bool:
+    return isinstance(value, (int, float))
+
+
+def _trace_scores(node: Any, seen: dict[str, Any]) -> torch.fx.Node | None:
+    """Walk back from the first operand of a ``bmm`` through the ops of :data:`_SCORE_STEPS`
+    (scaled by a number only), one softmax, dropout and one mask addition, to the ``bmm`` of the
+    scores; ``seen`` collects the softmax and the addition (with its mask). None: not attention."""
+    while isinstance(node, torch.fx.Node) and node.op == "call_function":
+        target = node.target
+        if target is _BMM:
+            return node if "softmax" in seen and "add" in seen else None
+        if target in _SOFTMAX and "softmax" not in seen:
+            seen["softmax"], node = node, node.args[0]
+        elif target is _aten.add.Tensor and "add" not in seen and "softmax" in seen and len(node.args) == 2:
+            for scores, mask in (node.args, node.args[::-1]):
+                found = _trace_scores(scores, {**seen, "add": (node, mask)})
+                if found is not None:
+                    seen["add"] = (node, mask)
+                    return found
+            return None
+        elif target is operator.getitem and getattr(node.args[0], "target", None) is _aten.native_dropout.default:
+            node = node.args[0].args[0]
+        elif target in _SCORE_STEPS and all(_scalar(a) or isinstance(a, (list, tuple)) for a in node.args[1:]):
+            node = node.args[0]
+        else:
+            return None
+    return None
+
+
+def eager_attention(graph: torch.fx.Graph) -> dict[torch.fx.Node, EagerAttention]:
+    """Every attention written as matrix products in ``graph``, by each of its two ``bmm`` nodes."""
+    found: dict[torch.fx.Node, EagerAttention] = {}
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target is _BMM:
+            seen: dict[str, Any] = {}
+            scores = _trace_scores(node.args[0], seen)
+            if scores is not None and isinstance(seen["add"][1], torch.fx.Node):
+                attention = EagerAttention(scores, node, *seen["add"])
+                found[scores] = found[node] = attention
+    return found

@@ -24,7 +24,7 @@ from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from fxflops.analysis.lifted import per_segment_terms
 from fxflops.analysis.masks import (
-    KeptPairs, MaskReader, given_arguments, is_causal, mask_argument, mask_notes, pairs_kept, read_causal,
+    KeptPairs, MaskReader, eager_attention, given_arguments, is_causal, mask_argument, mask_notes, pairs_kept, read_causal,
 )
 from fxflops.analysis.moe import expert_modules, routed_rows_as_pairs, router_nodes
 from fxflops.analysis.paths import inside, join, module_path
@@ -128,6 +128,7 @@ class NodeRules:
         self.backward_calls = {segment_backward_call(n) for n in graph.nodes} - {None}
         self.forward_module = _forward_modules(graph)
         self.masks = MaskReader(placeholders or {}, named)
+        self.eager = eager_attention(graph)  # attention as two bmm nodes, by each of them
         self.kept_pairs: dict[KeptPairs, sympy.Symbol] = {}
 
     def run(self) -> NodeTerms:
@@ -192,7 +193,8 @@ class NodeRules:
         kwargs = {k: as_rule_argument(v, self.named) for k, v in node.kwargs.items()}
         out_shape = as_rule_argument(node.meta.get("val"), self.named)
         flops, exact = self._apply(entry, node, path, args, kwargs, out_shape)
-        masked = self._read_mask(node, path, flops) if entry.causal is not None and exact is None else None
+        attention = entry.causal is not None or node in self.eager
+        masked = self._read_mask(node, path, flops) if attention and exact is None else None
         exact = masked if masked is not None else exact
         unknown = (flops.free_symbols | (exact.free_symbols if exact is not None else set())) - self.known - self.segments.symbols()
         unknown -= set(self.kept_pairs.values())
@@ -230,18 +232,31 @@ class NodeRules:
             return None
 
     def _masked_causal(self, node: torch.fx.Node, path: str, flops: sympy.Expr) -> sympy.Expr | None:
-        """The exact FLOPs of attention given a mask built in the graph that is causal (with or without
-        padding, ``masks.py``): the dense FLOPs, which are the same per (batch, query, key) triple,
-        times the triples the mask keeps over B·Q·K. None when the mask is not read."""
-        mask = mask_argument(node)
-        causal = read_causal(self.masks, mask) if mask is not None and not is_causal(node) else None
-        given = given_arguments(node)
-        if causal is None or not all(isinstance(given.get(n), torch.fx.Node) for n in ("query", "key")):
+        """The exact FLOPs of an attention op, or of either product of an attention written as matrix
+        products (``masks.eager_attention``), given a mask built in the graph: ``_kept``."""
+        if node in self.eager:
+            attention = self.eager[node]
+            scores = as_rule_argument(attention.add, self.named)  # (B, H, Q, K)
+            exact = self._kept(attention.mask, path, flops, scores[0], scores[2], scores[3]) if len(scores) == 4 else None
+            if exact is not None and node is attention.scores:
+                self.notes.append(f"{path or '<root>'}: attention as matrix products (eager): both products counted as causal; "
+                                  "the products of a traced backward stay dense (backward='2x' conventions scale the forward)")
+            return exact
+        mask, given = mask_argument(node), given_arguments(node)
+        if mask is None or is_causal(node) or not all(isinstance(given.get(n), torch.fx.Node) for n in ("query", "key")):
             return None
         query, key = (as_rule_argument(given[n], self.named) for n in ("query", "key"))
-        if len(query) != 4 or len(key) != 4:
+        return self._kept(mask, path, flops, query[0], query[2], key[2]) if len(query) == len(key) == 4 else None
+
+    def _kept(
+        self, mask: torch.fx.Node, path: str, flops: sympy.Expr, batch: sympy.Expr, queries: sympy.Expr, keys: sympy.Expr
+    ) -> sympy.Expr | None:
+        """Attention over ``batch`` x ``queries`` x ``keys`` given ``mask``: when the mask is causal
+        (with or without padding, ``masks.py``), the dense FLOPs, which are the same per (batch, query,
+        key) triple, times the triples the mask keeps over B·Q·K. None when the mask is not read."""
+        causal = read_causal(self.masks, mask)
+        if causal is None:
             return None
-        batch, queries, keys = query[0], query[2], key[2]
         shape = as_rule_argument(mask, self.named)  # the mask spans queries and keys (and rows, with padding)
         spans = [(shape[-2], queries), (shape[-1], keys)] + ([(shape[0], batch)] if causal.padding is not None else [])
         if any(sympy.expand(a - b) != 0 for a, b in spans):
@@ -253,7 +268,7 @@ class NodeRules:
         if isinstance(pairs, KeptPairs):
             pairs = self._statistic(pairs)
         padding = "" if causal.padding is None else f" and padding from {path_label(causal.padding)}"
-        self.notes.append(f"{path or '<root>'}: {node.target}'s mask is read from the graph as causal{padding}")
+        self.notes.append(f"{path or '<root>'}: an attention mask is read from the graph as causal{padding}")
         return sympy.expand(per_triple * pairs)
 
     def _statistic(self, pairs: KeptPairs) -> sympy.Symbol:
