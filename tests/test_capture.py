@@ -7,7 +7,9 @@ import warnings
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
 
 import fxflops
 from fxflops.models.tiny_gpt import GPTConfig, TinyGPT
@@ -345,6 +347,32 @@ def test_elementwise_work_on_data_dependent_sizes_is_noted_not_counted():
     assert program.count(torch.randn(6, 4), torch.tensor([9])) == 2 * 6 * 4 * 4
     everything = fxflops.conventions.FLOPCOUNTER.but(count="all")
     assert program.total(convention=everything, rows=6) == 2 * 6 * 4 * 4
+
+
+def test_unfold_fold_and_polar_are_classified():
+    """``F.unfold`` / ``F.fold`` (im2col / col2im: patches gathered and scattered back) move data;
+    ``torch.polar`` is pointwise (1 FLOP per complex output element under count="all"): none of them
+    is unsupported, and the matmul count equals FlopCounterMode's."""
+
+    class Patches(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = nn.Linear(3 * 4 * 4, 8, bias=False)
+
+        def forward(self, x, angles):
+            patches = F.unfold(x, kernel_size=4, stride=4)  # (B, 48, L)
+            back = F.fold(patches, x.shape[-2:], kernel_size=4, stride=4)
+            rotary = torch.polar(torch.ones_like(angles), angles)
+            return self.proj(patches.transpose(1, 2)), back, rotary
+
+    x, angles = torch.randn(2, 3, 8, 12), torch.randn(5, 6)
+    program = fxflops.trace(Patches(), (x, angles))
+    assert not program.unsupported
+    with FlopCounterMode(display=False) as reference:
+        Patches()(x, angles)
+    assert program.count(x, angles) == reference.get_total_flops() == 2 * 2 * 6 * 48 * 8
+    everything = fxflops.conventions.FLOPCOUNTER.but(count="all")
+    assert str(program.formula(convention=everything) - program.formula()) == "angles_0*angles_1"  # polar's output
 
 
 class IndexedLayer(nn.Module):

@@ -57,6 +57,13 @@ def elementwise_flops(op: Any, node: torch.fx.Node, named: Any) -> sympy.Expr | 
     return None
 
 
+@register(aten.polar, kind="elementwise")
+def polar(abs, angle, *args, out_shape=None, **kwargs):
+    """torch.polar (abs·cos θ + i·abs·sin θ; rotary tables): pointwise, 1 per output element (ATen
+    does not tag it pointwise)."""
+    return numel(out_shape)
+
+
 @register(aten._softmax, aten._log_softmax, aten._safe_softmax, kind="elementwise")
 def softmax(self, *args, out_shape=None, **kwargs):
     """softmax / log_softmax: 5 per element (max, subtract, exp, sum, divide or log)."""

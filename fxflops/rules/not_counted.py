@@ -51,6 +51,8 @@ _NOT_COUNTED_NAMES = frozenset(
     # backward of data movement and indexing
     "slice_backward select_backward index_select_backward diagonal_backward unfold_backward "
     "masked_scatter_backward "
+    # patches cut out and put back (F.unfold / F.fold; Llama 4's patch embedding): gathers and scatter-adds
+    "im2col col2im "
     "as_strided_scatter expand_copy "
     # losses (their matmul-free arithmetic)
     "nll_loss_forward nll_loss_backward nll_loss2d_forward nll_loss2d_backward mse_loss "
