@@ -232,32 +232,44 @@ class Binder:
 
     def _pair_lines(self, positions: dict[str, str], var: dict[sympy.Symbol, str]) -> list[str]:
         """Code computing each kept-pairs statistic (``analysis/masks.py``): Σ over rows b and keys
-        k < K of [padding[b, k] ≠ 0] · clamp(Q + offset − k, 0, Q), with tensor ops on the padding
-        input's device: the non-zero count per key times its weight (a 0-d tensor there; read as an
-        int on the CPU: no sync)."""
+        k < K of [padding[b, k] ≠ 0] · (the queries that see key k, ``pair_weights``), with tensor
+        ops on the padding input's device: the non-zero count per key times its weight (a 0-d tensor
+        there; read as an int on the CPU: no sync). Without padding (a sliding window): the rows
+        times the weights' sum, from the sizes on the host."""
         lines = []
         for j, (sym, pairs) in enumerate(sorted(self.kept_pairs.items(), key=lambda item: str(item[0]))):
+            queries, keys, offset, window = (
+                python_source(e, var) if e is not None else "None" for e in (pairs.queries, pairs.keys, pairs.offset, pairs.window)
+            )
+            if pairs.padding is None:
+                batch = python_source(pairs.batch, var)
+                lines.append(f"    {var[sym]} = ({batch}) * int(_binder.pair_weights({keys}, {queries}, {offset}, 'cpu', {window}).sum())")
+                continue
             if pairs.padding[0] not in positions:
                 raise InputError(f"the call lacks input {path_label(pairs.padding)!r} that the attention mask is built from")
-            queries, keys, offset = (python_source(e, var) for e in (pairs.queries, pairs.keys, pairs.offset))
             lines.append(f"    _q{j} = {self._accessor(pairs.padding, positions)}")
             lines.append(f"    _k{j} = {keys}")
             lines.append(f"    if _q{j}.shape[1] != _k{j}: _q{j} = _q{j}[:, :_k{j}]")
-            lines.append(f"    _w{j} = _binder.pair_weights(_k{j}, {queries}, {offset}, _q{j}.device)")
+            lines.append(f"    _w{j} = _binder.pair_weights(_k{j}, {queries}, {offset}, _q{j}.device, {window})")
             lines.append(f"    {var[sym]} = ((_q{j} != 0).sum(0) * _w{j}).sum()")
             lines.append(f"    if _q{j}.is_cpu and _binder.host_metadata: {var[sym]} = int({var[sym]})")
         return lines
 
-    def pair_weights(self, keys: int, queries: int, offset: int, device: torch.device) -> torch.Tensor:
-        """clamp(Q + offset − k, 0, Q) for k < K: the queries a causal mask lets see key k (cached
-        per shape and device: one tensor made per sequence length, not per call)."""
-        key = (keys, queries, offset, device)
+    def pair_weights(self, keys: int, queries: int, offset: int, device: torch.device, window: int | None = None) -> torch.Tensor:
+        """For each key k < K the queries q < Q that see it: k ≤ q + offset, and with a sliding
+        ``window`` also k > q + offset − window, i.e. q from max(0, k − offset) to
+        min(Q − 1, k − offset + window − 1) (cached per shape and device: one tensor made per
+        sequence length, not per call)."""
+        key = (keys, queries, offset, window, device)
         weights = self._weights.get(key)
         if weights is None:
             if len(self._weights) >= 256:  # many lengths: keep the cache small
                 self._weights.clear()
-            positions = torch.arange(keys, device=device)
-            weights = self._weights[key] = (queries + offset - positions).clamp(0, queries)
+            first = (torch.arange(keys, device=device) - offset).clamp(min=0)
+            last = torch.full_like(first, queries - 1)
+            if window is not None:
+                last = last.minimum(torch.arange(keys, device=device) - offset + window - 1)
+            weights = self._weights[key] = (last - first + 1).clamp(min=0)
         return weights
 
     @staticmethod

@@ -418,7 +418,9 @@ class Program:
         for name, (family, k) in self.power_sums.items():
             meaning[name] = f"Σᵢ sᵢ^{k} over {families[family].describe()}"
         for sym, pairs in self.binder.kept_pairs.items():
-            meaning[str(sym)] = f"(batch, query, key) triples a causal attention mask keeps for non-zero {path_label(pairs.padding)}"
+            window = "" if pairs.window is None else f" with a sliding window of {pairs.window} keys"
+            padding = "" if pairs.padding is None else f" for non-zero {path_label(pairs.padding)}"
+            meaning[str(sym)] = f"(batch, query, key) triples a causal attention mask{window} keeps{padding}"
         return {str(s): meaning.get(str(s), "") for s in self.symbols}
 
     # ---- reporting -----------------------------------------------------------------------------

@@ -5,7 +5,8 @@ graph from ``arange`` comparisons (causal) and the padding vector. fxflops reads
 ``causal="half"`` (Megatron) the attention core is halved as for ``is_causal=True``, under
 ``causal="exact"`` it is the (batch, query, key) triples the mask keeps — counted here by brute force
 over the mask, key by key — and the default convention keeps counting the dense work the kernel
-does (FlopCounterMode on the eager twin). A mask fxflops cannot read stays dense, with a note.
+does (FlopCounterMode on the eager twin). A sliding window is read too (exact: its kept triples;
+half leaves it dense). A mask fxflops cannot read stays dense, with a note.
 """
 
 from __future__ import annotations
@@ -164,9 +165,11 @@ class _Masked(nn.Module):
         q_pos = torch.arange(queries, device=x.device)[:, None]
         k_pos = torch.arange(keys, device=x.device)[None, :]
         keep = k_pos <= q_pos
-        if self.kind == "sliding":
+        if self.kind == "sliding":  # the last 3 keys, written as HF's sliding_window_overlay does
+            keep = keep & (k_pos > q_pos - 3)
+        if self.kind == "sliding difference":  # the same window from a difference of two positions: not read
             keep = keep & (q_pos - k_pos < 3)
-        if self.kind in ("causal", "sliding"):
+        if self.kind in ("causal", "sliding", "sliding difference"):
             mask = keep[None, None, :queries] & padding.bool()[:, None, None, :]
         else:
             mask = keep[None, None]
@@ -184,10 +187,60 @@ def test_a_plain_model_building_its_own_causal_padding_mask_is_read():
     assert "padding_kept_pairs" in {str(s) for s in program.all_symbols}
 
 
-@pytest.mark.parametrize("kind", ["sliding", "top-left"])
+def window_triples(mask: torch.Tensor, queries: int, window: int) -> int:
+    """Brute force: (b, q, k) with q + offset − window < k <= q + offset and mask[b, k] != 0, the
+    last query aligned with the last key (offset = keys − queries)."""
+    batch, keys = mask.shape
+    offset = keys - queries
+    return sum(
+        1 for b in range(batch) for q in range(queries) for k in range(keys)
+        if q + offset - window < k <= q + offset and mask[b, k] != 0
+    )
+
+
+def test_a_sliding_window_with_padding_is_read_in_a_plain_model():
+    """keep = (k <= q) & (k > q − 3) & padding: causal="exact" counts the kept triples; "half"
+    (Megatron's s²/2 is for causal masks) leaves the window dense, and the note says so."""
+    wrapper = fxflops.instrument(_Masked("sliding"), dims={"x": {0: "b", 1: "s"}, "padding": {0: "b", 1: "s"}}, strict=True)
+    padding = torch.tensor([[1, 1, 1, 0, 0, 0, 0], [1] * 7, [0, 0, 1, 1, 1, 1, 1]])
+    wrapper(torch.randn(3, 7, 8), padding)
+    per_triple = 4 * 8  # SDPA forward: 4·d per (batch, query, key), one head
+    assert wrapper.flops.total() - wrapper.flops.total(convention=EXACT) == per_triple * (3 * 7 * 7 - window_triples(padding, 7, 3))
+    assert wrapper.flops.total(convention=HALF) == wrapper.flops.total()
+    assert any("sliding window of 3 keys" in n for n in wrapper.program.notes)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_hf_sliding_window_masks_count_the_window(attn):
+    """Mistral with a 4-key sliding window, with and without padding (HF builds the window mask from
+    positions either way): causal="exact" equals the brute-force count of kept triples; "half" and
+    MEGATRON leave the window dense."""
+    config = transformers.MistralConfig(
+        vocab_size=64, hidden_size=HEADS * HEAD_DIM, intermediate_size=64, num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS, num_key_value_heads=2, sliding_window=4, attn_implementation=attn,
+    )
+    torch.manual_seed(0)
+    wrapper = fxflops.instrument(transformers.MistralForCausalLM(config).eval(), strict=True)
+    rng = random.Random(attn)
+    for batch, seq, padded in [(2, 9, True), (3, 5, True), (1, 12, False), (2, 7, False)]:
+        ids = torch.randint(0, 64, (batch, seq))
+        mask = _padded(rng, batch, seq) if padded else torch.ones(batch, seq, dtype=torch.long)
+        wrapper.flops.reset()
+        with torch.no_grad():
+            wrapper(input_ids=ids, attention_mask=mask if padded else None)
+        dense, kept = attention_core(batch * seq * seq), attention_core(window_triples(mask, seq, 4))
+        full = wrapper.flops.total()
+        assert full - wrapper.flops.total(convention=EXACT) == dense - kept, (batch, seq, padded)
+        assert wrapper.flops.total(convention=HALF) == full
+        assert wrapper.flops.total(convention=MEGATRON) == wrapper.flops.total(convention=MEGATRON.but(causal="full"))
+    assert any("sliding window of 4 keys" in n for n in wrapper.program.notes)
+
+
+@pytest.mark.parametrize("kind", ["sliding difference", "top-left"])
 def test_a_mask_fxflops_cannot_read_stays_dense_and_noted(kind):
-    """A sliding window (two conditions) and a causal mask whose queries and keys are not aligned at
-    the end are not read: every convention counts the dense work, and a note says so."""
+    """A window written as a difference of two positions (q − k < 3: the reader follows one position
+    plus a constant) and a causal mask whose queries and keys are not aligned at the end are not
+    read: every convention counts the dense work, and a note says so."""
     model = _Masked(kind)
     wrapper = fxflops.instrument(model, dims={"x": {0: "b", 1: "s"}, "padding": {0: "b", 1: "s"}}, strict=True)
     wrapper(torch.randn(2, 8, 8), torch.ones(2, 8, dtype=torch.long))

@@ -29,8 +29,10 @@ def counted(terms: Iterable[Term], convention: Convention) -> Iterator[tuple[str
         if _left_out(term, convention):
             continue
         flops = term.flops
-        if term.causal_exact is not None and convention.causal != "full":
-            flops = term.causal_exact if convention.causal == "exact" else term.flops / 2
+        if term.causal_exact is not None and convention.causal == "exact":
+            flops = term.causal_exact
+        elif term.causal_exact is not None and convention.causal == "half" and not term.window:
+            flops = term.flops / 2
         if convention.unit == "macs":
             flops = flops / 2
         yield term.module, term.phase, flops

@@ -40,9 +40,9 @@ def per_segment_terms(
         return None if flops is None else summed_over_segments(flops, lengths, term.op, term.module)
 
     return [
-        Term(
-            f"{marker}.{t.node}", t.op, t.module, phase if t.phase == "fwd" else t.phase,
-            billed(t.flops, t), t.kind, billed(t.causal_exact, t), t.router, t.dims,
+        replace(
+            t, node=f"{marker}.{t.node}", phase=phase if t.phase == "fwd" else t.phase,
+            flops=billed(t.flops, t), causal_exact=billed(t.causal_exact, t),
         )
         for t in inner
         if t.phase == "fwd" or backward_ran

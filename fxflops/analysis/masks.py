@@ -126,11 +126,13 @@ class Input:
 
 @dataclass(frozen=True)
 class CausalMask:
-    """Keeps key ``k`` for query ``q`` when ``k ≤ q + offset`` and (with ``padding``) the padding
-    input is non-zero at (batch, k)."""
+    """Keeps key ``k`` for query ``q`` when ``k ≤ q + offset``, with a sliding ``window`` also
+    ``k > q + offset − window`` (the last ``window`` keys), and (with ``padding``) the padding input
+    is non-zero at (batch, k)."""
 
     offset: sympy.Expr
     padding: Path | None
+    window: sympy.Expr | None = None
 
 
 _SAME = {"clone", "alias", "contiguous", "lift_fresh_copy", "detach", "_assert_tensor_metadata"}
@@ -141,21 +143,26 @@ _NEGATIVE_INFINITY = -1e30  # a where() branch at least this negative drops the 
 @dataclass(frozen=True)
 class KeptPairs:
     """Σ over batch rows b and keys k < ``keys`` of [padding[b, k] ≠ 0] · #{q < ``queries`` :
-    k ≤ q + ``offset``}: the query-key pairs a causal mask with padding keeps. Its value is data; the
-    binder computes it from the padding input with tensor ops on that input's device."""
+    k ≤ q + ``offset`` (and k > q + ``offset`` − ``window``)}: the query-key pairs a causal mask with
+    padding, or a sliding window, keeps. With padding its value is data: the binder computes it from
+    the padding input with tensor ops on that input's device; without (``padding`` None, a window),
+    ``batch`` times the sum over keys, from the sizes (piecewise in them: no polynomial)."""
 
-    padding: Path
+    padding: Path | None
     queries: sympy.Expr
     keys: sympy.Expr
     offset: sympy.Expr
+    window: sympy.Expr | None = None
+    batch: sympy.Expr | None = None  # the rows, when there is no padding input to count them
 
 
 def pairs_kept(mask: CausalMask, batch: sympy.Expr, queries: sympy.Expr, keys: sympy.Expr) -> sympy.Expr | KeptPairs | None:
-    """The (batch, query, key) triples ``mask`` keeps. Without padding, for the usual alignment of the
-    last query with the last key (offset = keys − queries: a prefill, a decode step after a cache):
-    B · Σ_k min(Q, K − k) = B·(Q·K − Q(Q−1)/2); other offsets are not summed (None)."""
-    if mask.padding is not None:
-        return KeptPairs(mask.padding, queries, keys, mask.offset)
+    """The (batch, query, key) triples ``mask`` keeps. Without padding or window, for the usual
+    alignment of the last query with the last key (offset = keys − queries: a prefill, a decode step
+    after a cache): B · Σ_k min(Q, K − k) = B·(Q·K − Q(Q−1)/2); other offsets are not summed (None).
+    With padding or a window: a :class:`KeptPairs` statistic."""
+    if mask.padding is not None or mask.window is not None:
+        return KeptPairs(mask.padding, queries, keys, mask.offset, mask.window, None if mask.padding is not None else batch)
     if sympy.simplify(mask.offset - (keys - queries)) != 0:
         return None
     return sympy.expand(batch * (queries * keys - queries * (queries - 1) / 2))
@@ -334,18 +341,26 @@ class MaskReader:
 
 
 def read_causal(reader: MaskReader, mask: torch.fx.Node) -> CausalMask | None:
-    """The mask as "key ≤ query + c" (and a padding input non-zero at (batch, key)), else None."""
+    """The mask as "key ≤ query + c" (optionally "key ≥ query − d": a sliding window of c + d + 1
+    keys; and a padding input non-zero at (batch, key)), else None."""
     keep, rank = reader.value(mask), mask.meta["val"].dim()
-    if not isinstance(keep, Keep) or len(keep.relations) != 1 or len(keep.lookups) > 1 or rank < 2:
+    if not isinstance(keep, Keep) or not 1 <= len(keep.relations) <= 2 or len(keep.lookups) > 1 or rank < 2:
         return None
-    (relation,) = keep.relations  # key − query − c ≤ 0
-    offset = sympy.expand(axis(0) - axis(1) - relation)
-    if offset.free_symbols & {axis(a) for a in range(rank)}:
+    bounds = {}  # +1: key − query − c ≤ 0 (causal), −1: query − key − d ≤ 0 (the window's far end)
+    for relation in keep.relations:
+        side = relation.coeff(axis(0))
+        constant = sympy.expand(relation - side * (axis(0) - axis(1)))
+        if side not in (1, -1) or side in bounds or constant.free_symbols & {axis(a) for a in range(rank)}:
+            return None
+        bounds[side] = -constant
+    if 1 not in bounds:
         return None
+    offset = bounds[1]
+    window = None if -1 not in bounds else sympy.expand(offset + bounds[-1] + 1)
     if not keep.lookups:
-        return CausalMask(offset, None)
+        return CausalMask(offset, None, window)
     ((path, index),) = keep.lookups
-    return CausalMask(offset, path) if rank == 4 and index == (axis(3), axis(0)) else None
+    return CausalMask(offset, path, window) if rank == 4 and index == (axis(3), axis(0)) else None
 
 
 _aten = torch.ops.aten

@@ -195,13 +195,13 @@ class NodeRules:
         flops, exact = self._apply(entry, node, path, args, kwargs, out_shape)
         attention = entry.causal is not None or node in self.eager
         masked = self._read_mask(node, path, flops) if attention and exact is None else None
-        exact = masked if masked is not None else exact
+        exact, window = masked if masked is not None else (exact, False)
         unknown = (flops.free_symbols | (exact.free_symbols if exact is not None else set())) - self.known - self.segments.symbols()
         unknown -= set(self.kept_pairs.values())
         if unknown:
             self._data_dependent(node, own, path, unknown)
         if flops != 0:
-            term = Term(node.name, str(node.target), path, phase, flops, entry.kind, exact, node in self.routers, _static_dims(args))
+            term = Term(node.name, str(node.target), path, phase, flops, entry.kind, exact, node in self.routers, _static_dims(args), window)
             self.terms += _split_recompute(term, entry, args, kwargs, out_shape)
             self.notes += mask_notes(node, path) if masked is None else []
 
@@ -223,25 +223,26 @@ class NodeRules:
             self.notes.append(f"{path or '<root>'}: causal {node.target} with query and key lengths that differ is counted dense under every convention")
         return flops, None if exact is None else sympy.expand(sympy.sympify(exact))
 
-    def _read_mask(self, node: torch.fx.Node, path: str, flops: sympy.Expr) -> sympy.Expr | None:
-        """:meth:`_masked_causal`, or None (counted dense, noted) when reading the mask fails: reading
-        it is a refinement, never a reason to refuse the capture."""
+    def _read_mask(self, node: torch.fx.Node, path: str, flops: sympy.Expr) -> tuple[sympy.Expr, bool] | None:
+        """:meth:`_masked_causal` (the exact FLOPs, and whether the mask is a sliding window), or None
+        (counted dense, noted) when reading the mask fails: reading it is a refinement, never a reason
+        to refuse the capture."""
         try:
             return self._masked_causal(node, path, flops)
         except Exception:  # noqa: BLE001 - an unusual mask graph: left unread
             return None
 
-    def _masked_causal(self, node: torch.fx.Node, path: str, flops: sympy.Expr) -> sympy.Expr | None:
+    def _masked_causal(self, node: torch.fx.Node, path: str, flops: sympy.Expr) -> tuple[sympy.Expr, bool] | None:
         """The exact FLOPs of an attention op, or of either product of an attention written as matrix
         products (``masks.eager_attention``), given a mask built in the graph: ``_kept``."""
         if node in self.eager:
             attention = self.eager[node]
             scores = as_rule_argument(attention.add, self.named)  # (B, H, Q, K)
-            exact = self._kept(attention.mask, path, flops, scores[0], scores[2], scores[3]) if len(scores) == 4 else None
-            if exact is not None and node is attention.scores:
+            kept = self._kept(attention.mask, path, flops, scores[0], scores[2], scores[3]) if len(scores) == 4 else None
+            if kept is not None and node is attention.scores:
                 self.notes.append(f"{path or '<root>'}: attention as matrix products (eager): both products counted as causal; "
                                   "the products of a traced backward stay dense (backward='2x' conventions scale the forward)")
-            return exact
+            return kept
         mask, given = mask_argument(node), given_arguments(node)
         if mask is None or is_causal(node) or not all(isinstance(given.get(n), torch.fx.Node) for n in ("query", "key")):
             return None
@@ -250,10 +251,11 @@ class NodeRules:
 
     def _kept(
         self, mask: torch.fx.Node, path: str, flops: sympy.Expr, batch: sympy.Expr, queries: sympy.Expr, keys: sympy.Expr
-    ) -> sympy.Expr | None:
+    ) -> tuple[sympy.Expr, bool] | None:
         """Attention over ``batch`` x ``queries`` x ``keys`` given ``mask``: when the mask is causal
-        (with or without padding, ``masks.py``), the dense FLOPs, which are the same per (batch, query,
-        key) triple, times the triples the mask keeps over B·Q·K. None when the mask is not read."""
+        (with or without padding or a sliding window, ``masks.py``), the dense FLOPs, which are the
+        same per (batch, query, key) triple, times the triples the mask keeps over B·Q·K; and whether
+        it is a window. None when the mask is not read."""
         causal = read_causal(self.masks, mask)
         if causal is None:
             return None
@@ -268,13 +270,14 @@ class NodeRules:
         if isinstance(pairs, KeptPairs):
             pairs = self._statistic(pairs)
         padding = "" if causal.padding is None else f" and padding from {path_label(causal.padding)}"
-        self.notes.append(f"{path or '<root>'}: an attention mask is read from the graph as causal{padding}")
-        return sympy.expand(per_triple * pairs)
+        window = "" if causal.window is None else f" with a sliding window of {causal.window} keys (causal='half' leaves it dense)"
+        self.notes.append(f"{path or '<root>'}: an attention mask is read from the graph as causal{padding}{window}")
+        return sympy.expand(per_triple * pairs), causal.window is not None
 
     def _statistic(self, pairs: KeptPairs) -> sympy.Symbol:
         """The runtime symbol of a kept-pairs statistic (one per padding input and shape)."""
         if pairs not in self.kept_pairs:
-            base = f"{path_label(pairs.padding)}_kept_pairs"
+            base = f"{path_label(pairs.padding)}_kept_pairs" if pairs.padding is not None else "window_kept_pairs"
             taken = {str(s) for s in self.kept_pairs.values()}
             name = base if base not in taken else f"{base}_{len(taken) + 1}"
             self.kept_pairs[pairs] = sympy.Symbol(name, integer=True, nonnegative=True)

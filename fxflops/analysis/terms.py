@@ -12,7 +12,8 @@ class Term:
     """The FLOPs of one graph node: ``flops`` (sympy) done by ``op`` inside module ``module``.
 
     ``kind`` is the rule's kind (``matmul``, ``elementwise``, ``embedding``: which conventions count
-    it); ``causal_exact`` the exact count of a causal attention call (``flops`` is the dense count).
+    it); ``causal_exact`` the exact count of a causal attention call (``flops`` is the dense count),
+    of a sliding-window one when ``window``.
     """
 
     node: str
@@ -24,6 +25,7 @@ class Term:
     causal_exact: sympy.Expr | None = None
     router: bool = False  # a mixture-of-experts router GEMM (or its backward): see ``analysis/moe.py``
     dims: tuple[int, ...] = ()  # the static sizes of its tensor operands (> 1): what a formula may size differently
+    window: bool = False  # causal_exact is a sliding window's: causal="half" (Megatron's s²/2) does not apply
 
 
 @dataclass(frozen=True)
