@@ -344,12 +344,8 @@ def _patch_positions(family: str, config, symbols: dict):
     return symbols["images"] * (symbols["height"] // vision.patch_size) * (symbols["width"] // vision.patch_size)
 
 
-@pytest.mark.long
-@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "llava_clip", "llava_siglip", "gemma3"])
-def test_a_left_out_patch_embedding_is_named_in_every_zoo_family(family):
-    """A formula that is the traced vision tower less the patch embedding (2 FLOPs per weight per
-    output position, from the conv's weight and the config) names the patch embedding's module, or
-    an ancestor that holds only it, and nothing else."""
+def _zoo_program(family: str):
+    """The zoo family's tiny model (sdpa) and the program of one random microbatch with images."""
     pytest.importorskip("transformers")
     from fxflops.models import hf_zoo
 
@@ -357,7 +353,16 @@ def test_a_left_out_patch_embedding_is_named_in_every_zoo_family(family):
     wrapper = fxflops.instrument(model, strict=True)
     with torch.no_grad():
         wrapper(**hf_zoo.random_batch(family, random.Random(2)))
-    program = wrapper.program
+    return model, wrapper.program
+
+
+@pytest.mark.long
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "llava_clip", "llava_siglip", "gemma3"])
+def test_a_left_out_patch_embedding_is_named_in_every_zoo_family(family):
+    """A formula that is the traced vision tower less the patch embedding (2 FLOPs per weight per
+    output position, from the conv's weight and the config) names the patch embedding's module, or
+    an ancestor that holds only it, and nothing else."""
+    model, program = _zoo_program(family)
     (conv_path, conv), = [(n, m) for n, m in model.named_modules() if isinstance(m, (torch.nn.Conv2d, torch.nn.Conv3d))]
     tower = conv_path.split(".embeddings")[0].split(".patch_embed")[0]
     symbols = {str(s): s for s in program.all_symbols}
@@ -413,14 +418,7 @@ def test_formula_bugs_are_named_in_every_zoo_family(family):
       one image size: the average is exact there).
 
     Never a "not in any traced module" rest."""
-    pytest.importorskip("transformers")
-    from fxflops.models import hf_zoo
-
-    model = hf_zoo.build(family, "sdpa")
-    wrapper = fxflops.instrument(model, strict=True)
-    with torch.no_grad():
-        wrapper(**hf_zoo.random_batch(family, random.Random(2)))
-    program = wrapper.program
+    model, program = _zoo_program(family)
     symbols = {str(s): s for s in program.all_symbols}
     traced = _plain(program.formula())
     text = model.config.get_text_config()
