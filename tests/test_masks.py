@@ -167,7 +167,7 @@ class _Masked(nn.Module):
         keep = k_pos <= q_pos
         if self.kind == "sliding":  # the last 3 keys, written as HF's sliding_window_overlay does
             keep = keep & (k_pos > q_pos - 3)
-        if self.kind == "sliding difference":  # the same window from a difference of two positions: not read
+        if self.kind == "sliding difference":  # the same window from a difference of two positions
             keep = keep & (q_pos - k_pos < 3)
         if self.kind in ("causal", "sliding", "sliding difference"):
             mask = keep[None, None, :queries] & padding.bool()[:, None, None, :]
@@ -198,10 +198,11 @@ def window_triples(mask: torch.Tensor, queries: int, window: int) -> int:
     )
 
 
-def test_a_sliding_window_with_padding_is_read_in_a_plain_model():
-    """keep = (k <= q) & (k > q − 3) & padding: causal="exact" counts the kept triples; "half"
-    (Megatron's s²/2 is for causal masks) leaves the window dense, and the note says so."""
-    wrapper = fxflops.instrument(_Masked("sliding"), dims={"x": {0: "b", 1: "s"}, "padding": {0: "b", 1: "s"}}, strict=True)
+@pytest.mark.parametrize("kind", ["sliding", "sliding difference"])
+def test_a_sliding_window_with_padding_is_read_in_a_plain_model(kind):
+    """keep = (k <= q) & (k > q − 3) & padding, or (q − k < 3): causal="exact" counts the kept
+    triples; "half" (Megatron's s²/2 is for causal masks) leaves the window dense, and the note says so."""
+    wrapper = fxflops.instrument(_Masked(kind), dims={"x": {0: "b", 1: "s"}, "padding": {0: "b", 1: "s"}}, strict=True)
     padding = torch.tensor([[1, 1, 1, 0, 0, 0, 0], [1] * 7, [0, 0, 1, 1, 1, 1, 1]])
     wrapper(torch.randn(3, 7, 8), padding)
     per_triple = 4 * 8  # SDPA forward: 4·d per (batch, query, key), one head
@@ -236,12 +237,10 @@ def test_hf_sliding_window_masks_count_the_window(attn):
     assert any("sliding window of 4 keys" in n for n in wrapper.program.notes)
 
 
-@pytest.mark.parametrize("kind", ["sliding difference", "top-left"])
-def test_a_mask_fxflops_cannot_read_stays_dense_and_noted(kind):
-    """A window written as a difference of two positions (q − k < 3: the reader follows one position
-    plus a constant) and a causal mask whose queries and keys are not aligned at the end are not
-    read: every convention counts the dense work, and a note says so."""
-    model = _Masked(kind)
+def test_a_mask_fxflops_cannot_read_stays_dense_and_noted():
+    """A causal mask whose queries and keys are not aligned at the end is not read: every convention
+    counts the dense work, and a note says so."""
+    model = _Masked("top-left")
     wrapper = fxflops.instrument(model, dims={"x": {0: "b", 1: "s"}, "padding": {0: "b", 1: "s"}}, strict=True)
     wrapper(torch.randn(2, 8, 8), torch.ones(2, 8, dtype=torch.long))
     assert wrapper.flops.total(convention=EXACT) == wrapper.flops.total(convention=HALF) == wrapper.flops.total()

@@ -13,7 +13,8 @@ padding vector, then ``where(keep, 0, -inf)``::
 :class:`MaskReader` follows that slice by abstract interpretation (as ``segments.py`` follows the
 offsets): each value is a :class:`Position` (an integer tensor whose element is its index along one
 axis plus an offset), a :class:`Keep` (a boolean tensor: a conjunction of linear conditions on the
-positions and lookups of input tensors at positions), an input or a scalar. :func:`read_causal`
+positions and lookups of input tensors at positions), a :class:`Difference` of two positions, an
+input or a scalar. :func:`read_causal`
 recognises the conjunction "key ≤ query + c", optionally with "the padding input is non-zero at
 (batch, key)": a :class:`CausalMask`. Anything else stays unread: counted dense, with a note.
 
@@ -94,6 +95,14 @@ class Position:
 
 
 @dataclass(frozen=True)
+class Difference:
+    """An integer tensor whose element is a linear expression in its indices along several axes
+    (``q_pos − k_pos``: a difference of two positions); only compared, never moved."""
+
+    expr: sympy.Expr
+
+
+@dataclass(frozen=True)
 class Keep:
     """A boolean tensor, true where every relation ``r ≤ 0`` holds and every looked-up input is
     non-zero (``lookups``: (input path, its index per dim, in the axes))."""
@@ -171,6 +180,8 @@ def pairs_kept(mask: CausalMask, batch: sympy.Expr, queries: sympy.Expr, keys: s
 def _relation(value: Any) -> sympy.Expr | None:
     if isinstance(value, Position):
         return value.value
+    if isinstance(value, Difference):
+        return value.expr
     if isinstance(value, (int, sympy.Expr)) and not isinstance(value, bool):
         return sympy.sympify(value)
     return None
@@ -225,11 +236,13 @@ class MaskReader:
         """Every axis ``value`` (a Position, or an Input's index) varies along has the output's full
         size in the tensor ``operand`` (not a size-1 dim broadcast: that would hold one value)."""
         if not isinstance(operand, torch.fx.Node) or not isinstance(operand.meta.get("val"), torch.Tensor):
-            return not isinstance(value, (Position, Input, Keep))
+            return not isinstance(value, (Position, Difference, Input, Keep))
         own = operand.meta["val"]
         varying = set()
         if isinstance(value, Position):
             varying = {axis(value.axis)}
+        elif isinstance(value, Difference):
+            varying = value.expr.free_symbols
         elif isinstance(value, Input):
             varying = set().union(*(i.free_symbols for i in value.index))
         elif isinstance(value, Keep):
@@ -248,11 +261,14 @@ class MaskReader:
         step = args[2] if len(args) > 2 else 1
         return Position(0, sympy.sympify(start)) if step == 1 and val.dim() == 1 else None
 
-    def _on_add(self, node: torch.fx.Node, args: list, val: torch.Tensor, sign: int = 1) -> Position | None:
+    def _on_add(self, node: torch.fx.Node, args: list, val: torch.Tensor, sign: int = 1) -> Position | Difference | None:
         position, other = args[0], args[1] if len(args) > 1 else None
         alpha = node.kwargs.get("alpha", 1)
-        if isinstance(position, Position) and _relation(other) is not None and not isinstance(other, Position):
+        if isinstance(position, Position) and _relation(other) is not None and not isinstance(other, (Position, Difference)):
             return Position(position.axis, sympy.expand(position.offset + sign * alpha * _relation(other)))
+        positions = isinstance(position, Position) and isinstance(other, Position) and position.axis != other.axis
+        if positions and all(self._spans(n, v, val) for n, v in zip(node.args[:2], (position, other))):
+            return Difference(sympy.expand(position.value + sign * alpha * other.value))  # positions along two axes
         return None
 
     def _on_sub(self, node: torch.fx.Node, args: list, val: torch.Tensor) -> Position | None:
@@ -291,7 +307,7 @@ class MaskReader:
     def _on_compare(self, node: torch.fx.Node, args: list, val: torch.Tensor) -> Keep | None:
         sign, strict = _COMPARISONS[op_name(node.target)]
         a, b = (_relation(v) for v in args[:2])
-        if a is None or b is None or not any(isinstance(v, Position) for v in args[:2]):
+        if a is None or b is None or not any(isinstance(v, (Position, Difference)) for v in args[:2]):
             return None
         if not all(self._spans(operand, v, val) for operand, v in zip(node.args[:2], args[:2])):
             return None
