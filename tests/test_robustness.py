@@ -326,6 +326,7 @@ def _states_equal(now, before) -> bool:
     )
 
 
+@pytest.mark.long  # ~30 s of captures beside a busy thread; the deterministic test below is in the default suite
 def test_the_same_model_in_another_thread_runs_on_its_own_weights_during_captures():
     """A capture traces a twin of the module tree: another thread running the very model meanwhile
     (an evaluation thread) computes with the real weights, never a fake one, and every module's

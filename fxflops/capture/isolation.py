@@ -25,6 +25,7 @@ model meanwhile (an evaluation thread) would compute with fake weights.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import copy
 import types
@@ -39,6 +40,7 @@ from fxflops.capture.reads import held_objects
 
 _MISSING = object()
 _CONTAINERS = (list, dict, set)
+_PLAIN_CONTAINERS = frozenset({list, dict, set, collections.OrderedDict})  # whose .copy() keeps their type
 
 
 def _items(value: Any) -> list:
@@ -137,7 +139,7 @@ def _owned(value: Any, copies: dict[int, Any]) -> Any:
     if not isinstance(value, _CONTAINERS):
         return value
     try:
-        own = copy.copy(value)
+        own = value.copy() if type(value) in _PLAIN_CONTAINERS else copy.copy(value)
     except Exception:  # noqa: BLE001 - a container that cannot be copied: shared, restored by preserving_state
         return value
     if isinstance(own, dict):
