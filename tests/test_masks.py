@@ -69,7 +69,7 @@ def _padded(rng: random.Random, batch: int, seq: int) -> torch.Tensor:
     return mask
 
 
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("attn", ["sdpa", pytest.param("eager", marks=pytest.mark.long)])  # the default suite's time
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 def test_a_causal_mask_with_padding_is_read_from_the_graph(kind, attn):
     """The mask HF builds from ``attention_mask``, handed to SDPA or added to the scores of attention
@@ -131,6 +131,7 @@ def test_the_kept_triples_on_a_device_are_summed_with_tensor_ops():
     assert wrapper.flops.total() - host == attention_core(3 * 36) - attention_core(kept_triples(mask, 6))
 
 
+@pytest.mark.long  # ~9 s (a VLM capture); the text models above cover the reading in the default suite
 def test_a_vlm_text_mask_is_read_too():
     from fxflops.models import hf_zoo
 
@@ -211,6 +212,7 @@ def test_a_sliding_window_with_padding_is_read_in_a_plain_model(kind):
     assert any("sliding window of 3 keys" in n for n in wrapper.program.notes)
 
 
+@pytest.mark.long  # ~12 s; the plain-model window test stays in the default suite
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_hf_sliding_window_masks_count_the_window(attn):
     """Mistral with a 4-key sliding window, with and without padding (HF builds the window mask from
