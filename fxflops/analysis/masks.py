@@ -321,7 +321,7 @@ class MaskReader:
     _on_new_ones = _on_ones
 
     def _on_zeros(self, node: torch.fx.Node, args: list, val: torch.Tensor) -> float | None:
-        """A floating zeros tensor of one element (``where(keep, zeros([]), min)``, the eager mask) is 0."""
+        """A floating 0-d zeros tensor (``where(keep, zeros([]), min)``, the eager mask) is 0."""
         return 0.0 if val.dtype.is_floating_point and val.dim() == 0 else None
 
     def _on_bitwise_and(self, node: torch.fx.Node, args: list, val: torch.Tensor) -> Keep | None:
