@@ -241,6 +241,9 @@ class Binder:
             queries, keys, offset, window = (
                 python_source(e, var) if e is not None else "None" for e in (pairs.queries, pairs.keys, pairs.offset, pairs.window)
             )
+            if pairs.runs is not None:
+                lines += self._run_lines(j, sym, pairs, positions, var)
+                continue
             if pairs.padding is None:
                 batch = python_source(pairs.batch, var)
                 lines.append(f"    {var[sym]} = ({batch}) * int(_binder.pair_weights({keys}, {queries}, {offset}, 'cpu', {window}).sum())")
@@ -254,6 +257,38 @@ class Binder:
             lines.append(f"    {var[sym]} = ((_q{j} != 0).sum(0) * _w{j}).sum()")
             lines.append(f"    if _q{j}.is_cpu and _binder.host_metadata: {var[sym]} = int({var[sym]})")
         return lines
+
+    def _run_lines(self, j: int, sym: sympy.Symbol, pairs: KeptPairs, positions: dict[str, str], var: dict[sympy.Symbol, str]) -> list[str]:
+        """Code for a packed mask's statistic (``KeptPairs.runs``) from the positions input with tensor
+        ops on its device: its rows broadcast to the batch, each token's place in its run
+        (``run_places``), then Σ n, Σ min(n, window) or Σ (2n − 1)."""
+        if pairs.runs[0] not in positions:
+            raise InputError(f"the call lacks input {path_label(pairs.runs)!r} that the attention mask is built from")
+        batch = python_source(pairs.batch, var)
+        if pairs.offset is None:
+            total = f"2 * _n{j} - 1"
+        elif pairs.window is None:
+            total = f"_n{j}"
+        else:
+            total = f"_n{j}.clamp(max={python_source(pairs.window, var)})"
+        return [
+            f"    _p{j} = {self._accessor(pairs.runs, positions)}",
+            f"    _n{j} = _binder.run_places(_p{j}.expand({batch}, -1))",
+            f"    {var[sym]} = ({total}).sum()",
+            f"    if _p{j}.is_cpu and _binder.host_metadata: {var[sym]} = int({var[sym]})",
+        ]
+
+    @staticmethod
+    def run_places(positions: torch.Tensor) -> torch.Tensor:
+        """Each token's place n (1, 2, ...) in its run of consecutive positions along the last dim: a
+        run starts at the first token and wherever a position is not its predecessor's + 1 (HF's
+        ``find_packed_sequence_indices``); n = j − (the last start ≤ j) + 1, with a running maximum
+        (no host read)."""
+        index = torch.arange(positions.shape[-1], device=positions.device)
+        starts = torch.ones_like(positions, dtype=torch.bool)
+        starts[..., 1:] = positions[..., 1:] - positions[..., :-1] != 1
+        first = torch.where(starts, index, 0).cummax(-1).values
+        return index - first + 1
 
     def pair_weights(self, keys: int, queries: int, offset: int, device: torch.device, window: int | None = None) -> torch.Tensor:
         """For each key k < K the queries q < Q that see it: k ≤ q + offset, and with a sliding

@@ -420,7 +420,9 @@ class Program:
         for sym, pairs in self.binder.kept_pairs.items():
             window = "" if pairs.window is None else f" with a sliding window of {pairs.window} keys"
             padding = "" if pairs.padding is None else f" for non-zero {path_label(pairs.padding)}"
-            meaning[str(sym)] = f"(batch, query, key) triples a causal attention mask{window} keeps{padding}"
+            runs = "" if pairs.runs is None else f" inside the runs of consecutive {path_label(pairs.runs)} (packed sequences)"
+            kind = "a block-diagonal attention mask" if pairs.offset is None else f"a causal attention mask{window}"
+            meaning[str(sym)] = f"(batch, query, key) triples {kind} keeps{padding}{runs}"
         return {str(s): meaning.get(str(s), "") for s in self.symbols}
 
     # ---- reporting -----------------------------------------------------------------------------

@@ -6,7 +6,9 @@ graph from ``arange`` comparisons (causal) and the padding vector. fxflops reads
 ``causal="exact"`` it is the (batch, query, key) triples the mask keeps — counted here by brute force
 over the mask, key by key — and the default convention keeps counting the dense work the kernel
 does (FlopCounterMode on the eager twin). A sliding window is read too (exact: its kept triples;
-half leaves it dense). A mask fxflops cannot read stays dense, with a note.
+half leaves it dense), and so are packed sequences: HF's block-diagonal mask from ``position_ids``
+(exact: Σᵢ sᵢ(sᵢ+1)/2 per row, half: Σᵢ sᵢ²/2, both by brute force over HF's definition). A mask
+fxflops cannot read stays dense, with a note.
 """
 
 from __future__ import annotations
@@ -294,3 +296,163 @@ def test_a_mask_that_broadcasts_a_size_one_dim_is_not_misread(kind):
         assert missing in (0, 4 * 8 * (3 * 36 - 3 * kept_triples(padding, 6)))
     else:  # row 0's mask for every query is not causal: never halved
         assert missing == 0 and wrapper.flops.total(convention=HALF) == wrapper.flops.total()
+
+
+# ---- packed sequences: HF's block-diagonal mask from position_ids (find_packed_sequence_indices) ----
+
+
+def packed_triples(positions: torch.Tensor, causal: bool = True, window: int | None = None) -> int:
+    """Brute force over HF's packed mask, from its definition: a row's sequence id goes up by one
+    wherever a position is not the one before + 1; (b, q, k) is kept when q and k have the same id
+    and (causal) pos[b, k] <= pos[b, q] (and, with a window, pos[b, k] > pos[b, q] − window)."""
+    total = 0
+    for row in positions.tolist():
+        ids = [0]
+        for before, here in zip(row, row[1:]):
+            ids.append(ids[-1] + (here - before != 1))
+        for q in range(len(row)):
+            for k in range(len(row)):
+                same = ids[q] == ids[k]
+                ordered = not causal or row[k] <= row[q]
+                near = window is None or row[k] > row[q] - window
+                total += same and ordered and near
+    return total
+
+
+def _packed_positions(rng: random.Random, batch: int, seq: int) -> torch.Tensor:
+    """Each row cut into random sequences, each numbered from 0 (one row may be one sequence)."""
+    rows = []
+    for _ in range(batch):
+        row = []
+        while len(row) < seq:
+            row += list(range(min(rng.randint(1, seq), seq - len(row))))
+        rows.append(row)
+    return torch.tensor(rows)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", pytest.param("eager", marks=pytest.mark.long)])
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_packed_sequences_are_read_from_position_ids(kind, attn):
+    """Without ``attention_mask`` and without a cache, HF masks packed sequences block-diagonally
+    from ``position_ids``: causal="exact" counts the kept triples (Σᵢ sᵢ(sᵢ+1)/2 per row), "half"
+    and MEGATRON half of each block (Σᵢ sᵢ²/2), the default the dense kernel's work."""
+    model = _text_model(kind, attn).eval()
+    eager = _text_model(kind, "eager").eval()
+    eager.load_state_dict(model.state_dict())
+    wrapper = fxflops.instrument(model, strict=True)
+    rng = random.Random(kind)
+    for batch, seq in [(2, 9), (3, 5), (1, 12), (2, 7), (2, 6)]:
+        ids, positions = torch.randint(0, 64, (batch, seq)), _packed_positions(rng, batch, seq)
+        if seq == 6:
+            positions = torch.arange(seq).repeat(batch, 1)  # one sequence per row: HF skips the mask
+        wrapper.flops.reset()
+        with torch.no_grad():
+            wrapper(input_ids=ids, position_ids=positions, use_cache=False)
+            with FlopCounterMode(display=False) as reference:
+                eager(input_ids=ids, position_ids=positions, use_cache=False)
+        dense = attention_core(batch * seq * seq)
+        kept, blocks = attention_core(packed_triples(positions)), attention_core(packed_triples(positions, causal=False))
+        full = wrapper.flops.total()
+        assert full == reference.get_total_flops()
+        assert full - wrapper.flops.total(convention=EXACT) == dense - kept, positions
+        assert full - wrapper.flops.total(convention=HALF) == dense - blocks // 2
+        megatron_full = wrapper.flops.total(convention=MEGATRON.but(causal="full"))
+        assert megatron_full - wrapper.flops.total(convention=MEGATRON) == dense - blocks // 2
+        assert megatron_full - wrapper.flops.total(convention=MEGATRON.but(causal="exact")) == dense - kept
+    assert wrapper.captures == 1
+    assert any("inside the runs of consecutive position_ids (packed sequences)" in n for n in wrapper.program.notes)
+    assert "position_ids_kept_pairs" in {str(s) for s in wrapper.program.all_symbols}
+
+
+def test_packed_training_bills_the_blocks_in_every_phase_and_on_a_device():
+    """Backward and the fused backward's recompute scale like the forward; the statistic computed
+    with tensor ops (as on an accelerator) equals the host's."""
+    model = _text_model("llama", "sdpa")
+    wrapper = fxflops.instrument(model, backward=True, strict=True)
+    ids, positions = torch.randint(0, 64, (2, 8)), torch.tensor([[0, 1, 2, 0, 1, 2, 3, 0], [0, 1, 0, 1, 0, 1, 2, 3]])
+    wrapper(input_ids=ids, position_ids=positions, labels=ids, use_cache=False).loss.backward()
+    dense, kept = attention_core(2 * 64), attention_core(packed_triples(positions))
+    fwd, bwd, recompute = (wrapper.flops.total(ph) - wrapper.flops.total(ph, convention=EXACT) for ph in ("fwd", "bwd", "recompute"))
+    assert fwd == dense - kept and bwd + recompute == 5 * fwd // 2
+    host = wrapper.flops.total(convention=EXACT)
+    wrapper.program.binder.host_metadata = False
+    wrapper.flops.reset()
+    wrapper(input_ids=ids, position_ids=positions, labels=ids, use_cache=False).loss.backward()
+    assert wrapper.flops.total(convention=EXACT) == host
+
+
+class _Packed(nn.Module):
+    """Single-head attention over packed rows, the sequence ids built from ``positions`` as HF's
+    ``find_packed_sequence_indices`` does (``ids``) or from the first token of each sequence
+    (``zeros``: not read, a position 0 does not prove the next ones step by 1); ``causal`` adds
+    HF's remapped causal rule pos[k] <= pos[q]. ``positions`` may be one row for the whole batch."""
+
+    def __init__(self, ids: str, causal: bool, dim: int = 8):
+        super().__init__()
+        self.ids, self.causal, self.proj = ids, causal, nn.Linear(dim, 3 * dim, bias=False)
+
+    def forward(self, x, positions):
+        q, k, v = self.proj(x).unsqueeze(1).chunk(3, dim=-1)
+        batch, seq = x.shape[:2]
+        positions = positions.expand(batch, -1)
+        if self.ids == "ids":
+            runs = (torch.diff(positions, dim=-1, prepend=positions[:, :1] - 1) != 1).cumsum(-1)
+        else:
+            runs = (positions == 0).cumsum(-1)
+        b = torch.arange(batch)[:, None, None, None]
+        q_at, k_at = torch.arange(seq)[None, None, :, None], torch.arange(seq)[None, None, None, :]
+        keep = runs[b, q_at] == runs[b, k_at]
+        if self.causal:
+            keep = keep & (positions[b, k_at] <= positions[b, q_at])
+        return nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("rows", ["per row", "one row"])
+def test_a_plain_model_packing_its_own_sequences_is_read(causal, rows):
+    """Bidirectional packing (only "same sequence") counts whole blocks, Σᵢ sᵢ², under "exact" and
+    "half"; causal packing Σᵢ sᵢ(sᵢ+1)/2 and Σᵢ sᵢ²/2. A positions row broadcast over the batch counts
+    for every row."""
+    dims = {"x": {0: "b", 1: "s"}, "positions": {1: "s"} if rows == "one row" else {0: "b", 1: "s"}}
+    wrapper = fxflops.instrument(_Packed("ids", causal), dims=dims, strict=True)
+    rng = random.Random(rows)
+    for seq in (7, 10, 4):
+        positions = _packed_positions(rng, 1 if rows == "one row" else 3, seq)
+        wrapper.flops.reset()
+        wrapper(torch.randn(3, seq, 8), positions)
+        expanded = positions.expand(3, -1)
+        dense, per_triple = wrapper.flops.total(), 4 * 8
+        kept, blocks = packed_triples(expanded, causal), packed_triples(expanded, causal=False)
+        assert dense - wrapper.flops.total(convention=EXACT) == per_triple * (3 * seq * seq - kept)
+        assert dense - wrapper.flops.total(convention=HALF) == per_triple * 3 * seq * seq - per_triple * blocks // (2 if causal else 1)
+    assert wrapper.captures == 1
+
+
+def test_sequence_ids_that_do_not_prove_consecutive_positions_stay_dense():
+    """Ids from ``positions == 0`` leave the steps inside a sequence unknown: not read, noted."""
+    wrapper = fxflops.instrument(_Packed("zeros", True), dims={"x": {0: "b", 1: "s"}, "positions": {0: "b", 1: "s"}}, strict=True)
+    wrapper(torch.randn(2, 6, 8), torch.tensor([[0, 1, 2, 0, 1, 2], [0, 2, 4, 6, 0, 3]]))
+    assert wrapper.flops.total(convention=EXACT) == wrapper.flops.total(convention=HALF) == wrapper.flops.total()
+    assert any("counted as the dense work the kernel does" in n for n in wrapper.program.notes)
+
+
+@pytest.mark.long  # ~8 s; the plain-model packing tests cover windows' absence in the default suite
+def test_hf_packed_sequences_with_a_sliding_window():
+    """Mistral's 4-key window inside packed sequences: "exact" counts min(place in the sequence, 4)
+    per query; "half" counts the blocks whole (a window is not halved)."""
+    config = transformers.MistralConfig(
+        vocab_size=64, hidden_size=HEADS * HEAD_DIM, intermediate_size=64, num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS, num_key_value_heads=2, sliding_window=4, attn_implementation="sdpa",
+    )
+    torch.manual_seed(0)
+    wrapper = fxflops.instrument(transformers.MistralForCausalLM(config).eval(), strict=True)
+    rng = random.Random(4)
+    for batch, seq in [(2, 11), (3, 6), (1, 9)]:
+        ids, positions = torch.randint(0, 64, (batch, seq)), _packed_positions(rng, batch, seq)
+        wrapper.flops.reset()
+        with torch.no_grad():
+            wrapper(input_ids=ids, position_ids=positions, use_cache=False)
+        dense = attention_core(batch * seq * seq)
+        kept, blocks = attention_core(packed_triples(positions, window=4)), attention_core(packed_triples(positions, causal=False))
+        assert wrapper.flops.total() - wrapper.flops.total(convention=EXACT) == dense - kept
+        assert wrapper.flops.total() - wrapper.flops.total(convention=HALF) == dense - blocks

@@ -31,8 +31,8 @@ def counted(terms: Iterable[Term], convention: Convention) -> Iterator[tuple[str
         flops = term.flops
         if term.causal_exact is not None and convention.causal == "exact":
             flops = term.causal_exact
-        elif term.causal_exact is not None and convention.causal == "half" and not term.window:
-            flops = term.flops / 2
+        elif term.causal_exact is not None and convention.causal == "half":
+            flops = term.flops / 2 if term.causal_half is None else term.causal_half
         if convention.unit == "macs":
             flops = flops / 2
         yield term.module, term.phase, flops

@@ -42,7 +42,7 @@ def per_segment_terms(
     return [
         replace(
             t, node=f"{marker}.{t.node}", phase=phase if t.phase == "fwd" else t.phase,
-            flops=billed(t.flops, t), causal_exact=billed(t.causal_exact, t),
+            flops=billed(t.flops, t), causal_exact=billed(t.causal_exact, t), causal_half=billed(t.causal_half, t),
         )
         for t in inner
         if t.phase == "fwd" or backward_ran

@@ -18,6 +18,13 @@ input or a scalar. :func:`read_causal`
 recognises the conjunction "key ≤ query + c", optionally with "the padding input is non-zero at
 (batch, key)": a :class:`CausalMask`. Anything else stays unread: counted dense, with a note.
 
+Packed sequences without ``attention_mask`` (``find_packed_sequence_indices``): HF cuts each row of
+``position_ids`` into runs of consecutive positions, ``seq = (diff(pos, prepend=pos[:, :1] - 1) != 1)
+.cumsum(-1)``, and keeps a pair when ``seq[b, q] == seq[b, k]`` and ``pos[b, k] ≤ pos[b, q]``. Integer
+inputs looked up at positions are sympy function applications in the relations; a run id is an
+:class:`Input` with ``runs``. Inside one run the positions step by 1, so ``pos[b, k] − pos[b, q] =
+k − q``: the mask is causal within each run, a block-diagonal :class:`CausalMask` with ``runs``.
+
 Attention written as matrix products (``eager`` attention: ``softmax(Q·Kᵀ·scale + mask)·V``) has
 no attention op to carry the mask: :func:`eager_attention` finds the two ``bmm`` nodes and the mask
 added between them, so both products are counted as causal when the mask reads so.
@@ -97,7 +104,8 @@ class Position:
 @dataclass(frozen=True)
 class Difference:
     """An integer tensor whose element is a linear expression in its indices along several axes
-    (``q_pos − k_pos``: a difference of two positions); only compared, never moved."""
+    (``q_pos − k_pos``: a difference of two positions) or in an integer lookup (``pos[b, q] − W``);
+    only compared, never moved."""
 
     expr: sympy.Expr
 
@@ -116,36 +124,43 @@ class Keep:
 
 @dataclass(frozen=True)
 class Input:
-    """An integer or boolean input tensor, or a view of it broadcast into more dims: element
-    ``input[index]`` (``index``: per input dim, in the axes). ``as_bool``: read as "non-zero"."""
+    """An integer or boolean input tensor, or a view or lookup of it: element ``input[index]``
+    (``index``: per input dim, in the axes; a dim broadcast from size 1 is read at 0). ``as_bool``:
+    read as "non-zero". ``runs``: not the input's value but the id of the run of consecutive values
+    (each one more than the one before) it lies in, along the input's last dim (packed sequences)."""
 
     path: Path
     as_bool: bool
     index: tuple[sympy.Expr, ...]
+    runs: bool = False
 
     @classmethod
     def of(cls, path: Path, as_bool: bool, rank: int) -> Input:
         return cls(path, as_bool, tuple(axis(rank - 1 - d) for d in range(rank)))
 
-    @property
-    def natural(self) -> bool:
-        """Not viewed: its dims are its own axes."""
-        return self.index == Input.of(self.path, self.as_bool, len(self.index)).index
+    def at(self, indices: list[Position]) -> tuple[sympy.Expr, ...]:
+        """This tensor's index composed with a lookup ``self[indices]`` (one position per dim)."""
+        rank = len(self.index)
+        return tuple(i.xreplace({axis(rank - 1 - d): p.value for d, p in enumerate(indices)}) for i in self.index)
 
 
 @dataclass(frozen=True)
 class CausalMask:
     """Keeps key ``k`` for query ``q`` when ``k ≤ q + offset``, with a sliding ``window`` also
     ``k > q + offset − window`` (the last ``window`` keys), and (with ``padding``) the padding input
-    is non-zero at (batch, k)."""
+    is non-zero at (batch, k). With ``runs`` (an integer input of positions) only pairs inside one
+    run of consecutive positions of the row (one packed sequence), where ``offset`` is 0, or None:
+    no causal bound, the whole block (a bidirectional packed mask)."""
 
-    offset: sympy.Expr
+    offset: sympy.Expr | None
     padding: Path | None
     window: sympy.Expr | None = None
+    runs: Path | None = None
 
 
 _SAME = {"clone", "alias", "contiguous", "lift_fresh_copy", "detach", "_assert_tensor_metadata"}
-_COMPARISONS = {"le": (1, 0), "lt": (1, 1), "ge": (-1, 0), "gt": (-1, 1)}  # a OP b -> sign·(a − b) + strict ≤ 0
+# a OP b -> sign·(a − b) + strict ≤ 0 for each (sign, strict); eq: both a − b ≤ 0 and b − a ≤ 0
+_COMPARISONS = {"le": ((1, 0),), "lt": ((1, 1),), "ge": ((-1, 0),), "gt": ((-1, 1),), "eq": ((1, 0), (-1, 0))}
 _NEGATIVE_INFINITY = -1e30  # a where() branch at least this negative drops the entry (-inf, finfo.min)
 
 
@@ -155,26 +170,42 @@ class KeptPairs:
     k ≤ q + ``offset`` (and k > q + ``offset`` − ``window``)}: the query-key pairs a causal mask with
     padding, or a sliding window, keeps. With padding its value is data: the binder computes it from
     the padding input with tensor ops on that input's device; without (``padding`` None, a window),
-    ``batch`` times the sum over keys, from the sizes (piecewise in them: no polynomial)."""
+    ``batch`` times the sum over keys, from the sizes (piecewise in them: no polynomial).
+
+    With ``runs`` (packed sequences: the positions input whose runs of consecutive values are the
+    sequences, its rows broadcast to ``batch``) the pairs inside each run: with n(q) the place of
+    query q in its run (1 for its first token), Σ n(q) (causal: Σᵢ sᵢ(sᵢ+1)/2), Σ min(n(q), window)
+    (a window), or with ``offset`` None Σ (2·n(q) − 1) = Σᵢ sᵢ² (the whole blocks); data too."""
 
     padding: Path | None
     queries: sympy.Expr
     keys: sympy.Expr
-    offset: sympy.Expr
+    offset: sympy.Expr | None
     window: sympy.Expr | None = None
     batch: sympy.Expr | None = None  # the rows, when there is no padding input to count them
+    runs: Path | None = None
 
 
 def pairs_kept(mask: CausalMask, batch: sympy.Expr, queries: sympy.Expr, keys: sympy.Expr) -> sympy.Expr | KeptPairs | None:
     """The (batch, query, key) triples ``mask`` keeps. Without padding or window, for the usual
     alignment of the last query with the last key (offset = keys − queries: a prefill, a decode step
     after a cache): B · Σ_k min(Q, K − k) = B·(Q·K − Q(Q−1)/2); other offsets are not summed (None).
-    With padding or a window: a :class:`KeptPairs` statistic."""
+    With padding, a window or runs: a :class:`KeptPairs` statistic."""
+    if mask.runs is not None:
+        return KeptPairs(None, queries, keys, mask.offset, mask.window, batch, mask.runs)
     if mask.padding is not None or mask.window is not None:
         return KeptPairs(mask.padding, queries, keys, mask.offset, mask.window, None if mask.padding is not None else batch)
     if sympy.simplify(mask.offset - (keys - queries)) != 0:
         return None
     return sympy.expand(batch * (queries * keys - queries * (queries - 1) / 2))
+
+
+def whole_blocks(mask: CausalMask, batch: sympy.Expr, queries: sympy.Expr, keys: sympy.Expr) -> sympy.Expr | KeptPairs:
+    """The triples ``mask`` admits before its causal bound and window: B·Q·K, or with ``runs``
+    the pairs of the blocks, Σᵢ sᵢ² (what ``causal="half"`` halves)."""
+    if mask.runs is None:
+        return sympy.expand(batch * queries * keys)
+    return KeptPairs(None, queries, keys, None, None, batch, mask.runs)
 
 
 def _relation(value: Any) -> sympy.Expr | None:
@@ -185,6 +216,9 @@ def _relation(value: Any) -> sympy.Expr | None:
     if isinstance(value, (int, sympy.Expr)) and not isinstance(value, bool):
         return sympy.sympify(value)
     return None
+
+
+_ORDERED = (Position, Difference)  # integer values a comparison bounds (besides integer lookups)
 
 
 def _as_keep(value: Any) -> Keep | None:
@@ -203,6 +237,23 @@ class MaskReader:
         self.placeholders = placeholders
         self.named = named
         self._values: dict[torch.fx.Node, Any] = {}
+        self.sources: dict[Any, tuple[Path, bool]] = {}  # lookup function -> (input, runs)
+        self._functions: dict[tuple[Path, bool], Any] = {}
+
+    def lookup(self, value: Input) -> sympy.Expr:
+        """An integer input (or its run ids) at ``value.index`` as a function application."""
+        key = (value.path, value.runs)
+        if key not in self._functions:
+            function = sympy.Function(f"{'runs' if value.runs else 'values'}_{len(self._functions)}")
+            self._functions[key], self.sources[function] = function, key
+        return self._functions[key](*value.index)
+
+    def relation(self, value: Any) -> sympy.Expr | None:
+        """``value`` as a term of a linear relation: a position, a difference, a number, or an
+        integer lookup."""
+        if isinstance(value, Input) and not value.as_bool:
+            return self.lookup(value)
+        return _relation(value)
 
     def value(self, node: Any) -> Any:
         if isinstance(node, (list, tuple)):
@@ -254,7 +305,13 @@ class MaskReader:
         )
 
     def _on_expand(self, node: torch.fx.Node, args: list, val: torch.Tensor) -> Any:
-        return args[0] if self._spans(node.args[0], args[0], val) else None
+        """A view into more (or wider) dims: an input's dims broadcast from size 1 are read at 0."""
+        value, own = args[0], node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None
+        if isinstance(value, Input) and isinstance(own, torch.Tensor):
+            one = [(self.named(own.shape[-1 - a]) == 1, self.named(val.shape[-1 - a]) == 1) for a in range(min(own.dim(), val.dim()))]
+            ones = {axis(a): sympy.Integer(0) for a, (was, stays) in enumerate(one) if was and not stays}
+            value = Input(value.path, value.as_bool, tuple(i.xreplace(ones) for i in value.index), value.runs)
+        return value if self._spans(node.args[0], value, val) else None
 
     def _on_arange(self, node: torch.fx.Node, args: list, val: torch.Tensor) -> Position | None:
         start = args[0] if len(args) > 1 else 0
@@ -264,8 +321,11 @@ class MaskReader:
     def _on_add(self, node: torch.fx.Node, args: list, val: torch.Tensor, sign: int = 1) -> Position | Difference | None:
         position, other = args[0], args[1] if len(args) > 1 else None
         alpha = node.kwargs.get("alpha", 1)
-        if isinstance(position, Position) and _relation(other) is not None and not isinstance(other, (Position, Difference)):
+        constant = _relation(other) is not None and not isinstance(other, (Position, Difference))
+        if isinstance(position, Position) and constant:
             return Position(position.axis, sympy.expand(position.offset + sign * alpha * _relation(other)))
+        if isinstance(position, Input) and not position.as_bool and constant:  # a looked-up value shifted
+            return Difference(sympy.expand(self.lookup(position) + sign * alpha * _relation(other)))
         positions = isinstance(position, Position) and isinstance(other, Position) and position.axis != other.axis
         if positions and all(self._spans(n, v, val) for n, v in zip(node.args[:2], (position, other))):
             return Difference(sympy.expand(position.value + sign * alpha * other.value))  # positions along two axes
@@ -284,7 +344,7 @@ class MaskReader:
             lookups = {(path, tuple(i.xreplace(shifted) for i in index)) for path, index in value.lookups}
             return Keep(frozenset(r.xreplace(shifted) for r in value.relations), frozenset(lookups))
         if isinstance(value, Input):
-            return Input(value.path, value.as_bool, tuple(i.xreplace(shifted) for i in value.index))
+            return Input(value.path, value.as_bool, tuple(i.xreplace(shifted) for i in value.index), value.runs)
         return None
 
     def _on_slice(self, node: torch.fx.Node, args: list, val: torch.Tensor) -> Any:
@@ -299,21 +359,21 @@ class MaskReader:
     def _on__to_copy(self, node: torch.fx.Node, args: list, val: torch.Tensor) -> Any:
         value = args[0]
         if isinstance(value, Input):
-            return Input(value.path, value.as_bool or val.dtype == torch.bool, value.index)
+            return Input(value.path, value.as_bool or val.dtype == torch.bool, value.index, value.runs)
         if isinstance(value, Keep) and val.dtype == torch.bool:
             return value
         return value if isinstance(value, Position) and not val.dtype.is_floating_point else None
 
     def _on_compare(self, node: torch.fx.Node, args: list, val: torch.Tensor) -> Keep | None:
-        sign, strict = _COMPARISONS[op_name(node.target)]
-        a, b = (_relation(v) for v in args[:2])
-        if a is None or b is None or not any(isinstance(v, (Position, Difference)) for v in args[:2]):
+        a, b = (self.relation(v) for v in args[:2])
+        ordered = any(isinstance(v, _ORDERED) or (isinstance(v, Input) and not v.as_bool) for v in args[:2])
+        if a is None or b is None or not ordered:
             return None
         if not all(self._spans(operand, v, val) for operand, v in zip(node.args[:2], args[:2])):
             return None
-        return Keep(relations=frozenset({sympy.expand(sign * (a - b) + strict)}))
+        return Keep(relations=frozenset(sympy.expand(sign * (a - b) + strict) for sign, strict in _COMPARISONS[op_name(node.target)]))
 
-    _on_le = _on_lt = _on_ge = _on_gt = _on_compare
+    _on_le = _on_lt = _on_ge = _on_gt = _on_eq = _on_compare
 
     def _on_ones(self, node: torch.fx.Node, args: list, val: torch.Tensor) -> Keep | None:
         return Keep() if val.dtype == torch.bool else None
@@ -333,17 +393,59 @@ class MaskReader:
 
     _on_logical_and = _on_mul = _on_bitwise_and
 
-    def _on_index(self, node: torch.fx.Node, args: list, val: torch.Tensor) -> Keep | None:
+    def _on_index(self, node: torch.fx.Node, args: list, val: torch.Tensor) -> Keep | Input | None:
+        """An input looked up at positions (one per dim): read as non-zero (a Keep), or its
+        integer values there (an Input at the composed index)."""
         source, indices = args[0], args[1]
-        if not isinstance(source, Input) or not source.as_bool or not source.natural:
-            return None
-        if not all(isinstance(i, Position) for i in indices):
+        if not isinstance(source, Input) or not all(isinstance(i, Position) for i in indices):
             return None
         if not all(self._spans(operand, i, val) for operand, i in zip(node.args[1], indices)):
             return None
         if len(indices) != node.args[0].meta["val"].dim():
             return None
-        return Keep(lookups=frozenset({(source.path, tuple(i.value for i in indices))}))
+        if source.as_bool:
+            return Keep(lookups=frozenset({(source.path, source.at(indices))}))
+        return Input(source.path, False, source.at(indices), source.runs)
+
+    def _on_cumsum(self, node: torch.fx.Node, args: list, val: torch.Tensor) -> Input | None:
+        """Run ids: ``(diff(pos, prepend=pos[..., :1] - 1) != 1).cumsum(-1)`` (``_run_starts``)."""
+        if len(args) < 2 or args[1] % val.dim() != val.dim() - 1:
+            return None
+        positions = self._run_starts(node.args[0], val.dim())
+        return None if positions is None else Input(positions.path, False, positions.index, runs=True)
+
+    def _run_starts(self, node: Any, rank: int) -> Input | None:
+        """The positions input P when ``node`` is ``torch.diff(P, dim=-1, prepend=P[..., :1] - 1) != 1``
+        as ``torch.diff`` decomposes (ATen's ``diff``: ``cat([prepend, P], -1)``, then
+        ``narrow(1, n−1) − narrow(0, n−1)``): true where a new run of consecutive positions starts,
+        except at the first element (the prepended ``P[..., 0] − 1`` steps by 1)."""
+        last = rank - 1
+
+        def call(n: Any, op: Any, *leading: Any) -> bool:
+            """``n`` calls ``op`` with these leading arguments after the first (dims taken mod rank)."""
+            if not (isinstance(n, torch.fx.Node) and n.op == "call_function" and n.target is op):
+                return False
+            given = [a % rank if i == 0 and op is _aten.slice.Tensor and isinstance(a, int) else a for i, a in enumerate(n.args[1:])]
+            return given[: len(leading)] == list(leading)
+
+        if not call(node, _aten.ne.Scalar, 1) or not call(node.args[0], _aten.sub.Tensor):
+            return None
+        later, earlier = node.args[0].args[:2]
+        if not (call(later, _aten.slice.Tensor, last, 1) and call(earlier, _aten.slice.Tensor, last, 0)):
+            return None
+        joined = later.args[0]
+        if earlier.args[0] is not joined or not call(joined, _aten.cat.default) or len(joined.args[0]) != 2:
+            return None
+        size = self.named(joined.meta["val"].shape[-1])
+        if any(sympy.expand(self.named(n.meta["val"].shape[-1]) - (size - 1)) != 0 for n in (later, earlier)):
+            return None
+        (first, positions), dim = joined.args[0], joined.args[1] if len(joined.args) > 1 else 0
+        source = self.value(positions)
+        if dim % rank != last or not isinstance(source, Input) or source.as_bool or source.runs or source.index[-1] != axis(0):
+            return None
+        if not call(first, _aten.sub.Tensor, 1) or not call(first.args[0], _aten.slice.Tensor, last, 0, 1):
+            return None
+        return source if self.value(first.args[0].args[0]) == source else None
 
     def _on_scalar_tensor(self, node: torch.fx.Node, args: list, val: torch.Tensor) -> float:
         return float(args[0])
@@ -358,25 +460,65 @@ class MaskReader:
 
 def read_causal(reader: MaskReader, mask: torch.fx.Node) -> CausalMask | None:
     """The mask as "key ≤ query + c" (optionally "key ≥ query − d": a sliding window of c + d + 1
-    keys; and a padding input non-zero at (batch, key)), else None."""
+    keys; and a padding input non-zero at (batch, key); or only inside the runs of a positions
+    input, :func:`_within_runs`), else None."""
     keep, rank = reader.value(mask), mask.meta["val"].dim()
-    if not isinstance(keep, Keep) or not 1 <= len(keep.relations) <= 2 or len(keep.lookups) > 1 or rank < 2:
+    if not isinstance(keep, Keep) or len(keep.lookups) > 1 or rank < 2:
+        return None
+    runs, relations = _within_runs(reader, keep.relations, rank)
+    if relations is None or len(relations) > 2 or not (relations or runs):
         return None
     bounds = {}  # +1: key − query − c ≤ 0 (causal), −1: query − key − d ≤ 0 (the window's far end)
-    for relation in keep.relations:
+    for relation in relations:
         side = relation.coeff(axis(0))
         constant = sympy.expand(relation - side * (axis(0) - axis(1)))
         if side not in (1, -1) or side in bounds or constant.free_symbols & {axis(a) for a in range(rank)}:
             return None
         bounds[side] = -constant
-    if 1 not in bounds:
+    if bounds and 1 not in bounds:
         return None
-    offset = bounds[1]
+    offset = bounds.get(1)
     window = None if -1 not in bounds else sympy.expand(offset + bounds[-1] + 1)
+    if runs is not None:  # inside a run: causal from its first token, or the whole block
+        return CausalMask(offset, None, window, runs) if offset in (None, 0) and not keep.lookups else None
     if not keep.lookups:
         return CausalMask(offset, None, window)
     ((path, index),) = keep.lookups
     return CausalMask(offset, path, window) if rank == 4 and index == (axis(3), axis(0)) else None
+
+
+def _within_runs(reader: MaskReader, relations: frozenset[sympy.Expr], rank: int) -> tuple[Path | None, set[sympy.Expr] | None]:
+    """The positions input whose runs the mask keeps pairs inside ("the run id at (b, q) equals the
+    one at (b, k)", b the batch axis or row 0 broadcast), and the other relations with its values
+    at (b, k) and (b, q) read as k and q: inside a run of consecutive positions ``pos[b, k] −
+    pos[b, q] = k − q`` (a relation with the values in any other way is not read). (None, the
+    relations) without runs; (None, None) when a lookup is left that is not read."""
+    lookups = {f for r in relations for f in r.atoms(sympy.core.function.AppliedUndef)}
+    if not lookups:
+        return None, set(relations)
+    runs = {f for f in lookups if reader.sources[f.func][1]}
+    functions = {f.func for f in runs}
+    if len(functions) != 1 or rank != 4:
+        return None, None
+    ((function,),) = [functions]
+    rows = {f.args[0] for f in runs}
+    if len(rows) != 1 or any(len(f.args) != 2 for f in runs) or not rows <= {axis(3), sympy.Integer(0)}:
+        return None, None
+    (row,) = rows
+    same = function(row, axis(1)) - function(row, axis(0))
+    if {same, -same} - set(relations) or runs != {function(row, axis(1)), function(row, axis(0))}:
+        return None, None
+    path = reader.sources[function][0]
+    values = next((f for f, (p, r) in reader.sources.items() if p == path and not r), None)
+    start = sympy.Dummy("start")  # the run's first position: cancels in every relation that is read
+    inside = {} if values is None else {values(row, axis(a)): axis(a) + start for a in (0, 1)}
+    kept = set()
+    for relation in set(relations) - {same, -same}:
+        read = sympy.expand(relation.xreplace(inside))
+        if read.free_symbols & {start} or read.atoms(sympy.core.function.AppliedUndef):
+            return None, None
+        kept.add(read)
+    return path, kept
 
 
 _aten = torch.ops.aten

@@ -90,5 +90,7 @@ def routed_rows_as_pairs(terms: list[Term], routed: dict[str, set[sympy.Symbol]]
 
 
 def _substituted(term: Term, values: dict) -> Term:
-    exact = None if term.causal_exact is None else sympy.expand(term.causal_exact.xreplace(values))
-    return replace(term, flops=sympy.expand(term.flops.xreplace(values)), causal_exact=exact)
+    def substituted(flops: sympy.Expr | None) -> sympy.Expr | None:
+        return None if flops is None else sympy.expand(flops.xreplace(values))
+
+    return replace(term, flops=substituted(term.flops), causal_exact=substituted(term.causal_exact), causal_half=substituted(term.causal_half))

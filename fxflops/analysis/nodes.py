@@ -24,7 +24,8 @@ from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
 from fxflops.analysis.lifted import per_segment_terms
 from fxflops.analysis.masks import (
-    KeptPairs, MaskReader, eager_attention, given_arguments, is_causal, mask_argument, mask_notes, pairs_kept, read_causal,
+    CausalMask, KeptPairs, MaskReader, eager_attention, given_arguments, is_causal, mask_argument, mask_notes, pairs_kept,
+    read_causal, whole_blocks,
 )
 from fxflops.analysis.moe import expert_modules, routed_rows_as_pairs, router_nodes
 from fxflops.analysis.paths import inside, join, module_path
@@ -93,13 +94,28 @@ def _split_recompute(term: Term, entry: Entry, args: list, kwargs: dict, out_sha
     if entry.recomputed is None or term.phase != "bwd":
         return [term]
     share = sympy.sympify(entry.recomputed(*args, out_shape=out_shape, **kwargs))
-    again = sympy.expand(term.flops * share)
-    again_exact = None if term.causal_exact is None else sympy.expand(term.causal_exact * share)
-    rest_exact = None if term.causal_exact is None else sympy.expand(term.causal_exact - again_exact)
+
+    def again(flops: sympy.Expr | None) -> sympy.Expr | None:
+        return None if flops is None else sympy.expand(flops * share)
+
+    def rest(flops: sympy.Expr | None) -> sympy.Expr | None:
+        return None if flops is None else sympy.expand(flops - flops * share)
+
     return [
-        replace(term, flops=sympy.expand(term.flops - again), causal_exact=rest_exact),
-        replace(term, node=f"{term.node}.recompute", phase="recompute", flops=again, causal_exact=again_exact),
+        replace(term, flops=rest(term.flops), causal_exact=rest(term.causal_exact), causal_half=rest(term.causal_half)),
+        replace(term, node=f"{term.node}.recompute", phase="recompute", flops=again(term.flops),
+                causal_exact=again(term.causal_exact), causal_half=again(term.causal_half)),
     ]
+
+
+def _described(mask: CausalMask) -> str:
+    """How a read mask is counted, for the program's notes."""
+    runs = "" if mask.runs is None else f" inside the runs of consecutive {path_label(mask.runs)} (packed sequences)"
+    if mask.offset is None:
+        return f"block-diagonal{runs}: each packed sequence attends to itself, the blocks counted under causal='exact' and 'half'"
+    padding = "" if mask.padding is None else f" and padding from {path_label(mask.padding)}"
+    window = "" if mask.window is None else f" with a sliding window of {mask.window} keys (causal='half' leaves it dense)"
+    return f"causal{padding}{runs}{window}"
 
 
 class NodeRules:
@@ -195,13 +211,13 @@ class NodeRules:
         flops, exact = self._apply(entry, node, path, args, kwargs, out_shape)
         attention = entry.causal is not None or node in self.eager
         masked = self._read_mask(node, path, flops) if attention and exact is None else None
-        exact, window = masked if masked is not None else (exact, False)
+        exact, half = masked if masked is not None else (exact, None)
         unknown = (flops.free_symbols | (exact.free_symbols if exact is not None else set())) - self.known - self.segments.symbols()
         unknown -= set(self.kept_pairs.values())
         if unknown:
             self._data_dependent(node, own, path, unknown)
         if flops != 0:
-            term = Term(node.name, str(node.target), path, phase, flops, entry.kind, exact, node in self.routers, _static_dims(args), window)
+            term = Term(node.name, str(node.target), path, phase, flops, entry.kind, exact, node in self.routers, _static_dims(args), half)
             self.terms += _split_recompute(term, entry, args, kwargs, out_shape)
             self.notes += mask_notes(node, path) if masked is None else []
 
@@ -223,8 +239,8 @@ class NodeRules:
             self.notes.append(f"{path or '<root>'}: causal {node.target} with query and key lengths that differ is counted dense under every convention")
         return flops, None if exact is None else sympy.expand(sympy.sympify(exact))
 
-    def _read_mask(self, node: torch.fx.Node, path: str, flops: sympy.Expr) -> tuple[sympy.Expr, bool] | None:
-        """:meth:`_masked_causal` (the exact FLOPs, and whether the mask is a sliding window), or None
+    def _read_mask(self, node: torch.fx.Node, path: str, flops: sympy.Expr) -> tuple[sympy.Expr, sympy.Expr | None] | None:
+        """:meth:`_masked_causal` (the exact FLOPs and ``Term.causal_half``), or None
         (counted dense, noted) when reading the mask fails: reading it is a refinement, never a reason
         to refuse the capture."""
         try:
@@ -232,7 +248,7 @@ class NodeRules:
         except Exception:  # noqa: BLE001 - an unusual mask graph: left unread
             return None
 
-    def _masked_causal(self, node: torch.fx.Node, path: str, flops: sympy.Expr) -> tuple[sympy.Expr, bool] | None:
+    def _masked_causal(self, node: torch.fx.Node, path: str, flops: sympy.Expr) -> tuple[sympy.Expr, sympy.Expr | None] | None:
         """The exact FLOPs of an attention op, or of either product of an attention written as matrix
         products (``masks.eager_attention``), given a mask built in the graph: ``_kept``."""
         if node in self.eager:
@@ -251,33 +267,41 @@ class NodeRules:
 
     def _kept(
         self, mask: torch.fx.Node, path: str, flops: sympy.Expr, batch: sympy.Expr, queries: sympy.Expr, keys: sympy.Expr
-    ) -> tuple[sympy.Expr, bool] | None:
-        """Attention over ``batch`` x ``queries`` x ``keys`` given ``mask``: when the mask is causal
-        (with or without padding or a sliding window, ``masks.py``), the dense FLOPs, which are the
-        same per (batch, query, key) triple, times the triples the mask keeps over B·Q·K; and whether
-        it is a window. None when the mask is not read."""
+    ) -> tuple[sympy.Expr, sympy.Expr | None] | None:
+        """Attention over ``batch`` x ``queries`` x ``keys`` given ``mask``: when the mask is read
+        (causal, with or without padding or a sliding window, or inside packed sequences,
+        ``masks.py``), the dense FLOPs, which are the same per (batch, query, key) triple, times the
+        triples the mask keeps over B·Q·K; and ``Term.causal_half``: a window is not halved (dense),
+        packed sequences halve their blocks (Σᵢ sᵢ²/2), a bidirectional block mask counts its blocks.
+        None when the mask is not read."""
         causal = read_causal(self.masks, mask)
         if causal is None:
             return None
         shape = as_rule_argument(mask, self.named)  # the mask spans queries and keys (and rows, with padding)
         spans = [(shape[-2], queries), (shape[-1], keys)] + ([(shape[0], batch)] if causal.padding is not None else [])
+        if causal.runs is not None:  # one positions row gives both the queries' and the keys' runs
+            spans.append((queries, keys))
         if any(sympy.expand(a - b) != 0 for a, b in spans):
             return None
         pairs = pairs_kept(causal, batch, queries, keys)
         per_triple = sympy.cancel(flops / (batch * queries * keys))
         if pairs is None or sympy.fraction(per_triple)[1].free_symbols:
             return None
-        if isinstance(pairs, KeptPairs):
-            pairs = self._statistic(pairs)
-        padding = "" if causal.padding is None else f" and padding from {path_label(causal.padding)}"
-        window = "" if causal.window is None else f" with a sliding window of {causal.window} keys (causal='half' leaves it dense)"
-        self.notes.append(f"{path or '<root>'}: an attention mask is read from the graph as causal{padding}{window}")
-        return sympy.expand(per_triple * pairs), causal.window is not None
+        blocks = self._statistic(whole_blocks(causal, batch, queries, keys))
+        kept = self._statistic(pairs) if causal.offset is not None else blocks
+        halved = causal.offset is not None and causal.window is None
+        half = None if causal.runs is None and halved else sympy.expand(per_triple * blocks / (2 if halved else 1))
+        self.notes.append(f"{path or '<root>'}: an attention mask is read from the graph as {_described(causal)}")
+        return sympy.expand(per_triple * kept), half
 
-    def _statistic(self, pairs: KeptPairs) -> sympy.Symbol:
-        """The runtime symbol of a kept-pairs statistic (one per padding input and shape)."""
+    def _statistic(self, pairs: KeptPairs | sympy.Expr) -> sympy.Expr:
+        """The runtime symbol of a kept-pairs statistic (one per input and shape); a polynomial as it is."""
+        if not isinstance(pairs, KeptPairs):
+            return pairs
         if pairs not in self.kept_pairs:
-            base = f"{path_label(pairs.padding)}_kept_pairs" if pairs.padding is not None else "window_kept_pairs"
+            source = pairs.padding if pairs.padding is not None else pairs.runs
+            kind = "block_pairs" if pairs.offset is None else "kept_pairs"
+            base = f"{path_label(source)}_{kind}" if source is not None else "window_kept_pairs"
             taken = {str(s) for s in self.kept_pairs.values()}
             name = base if base not in taken else f"{base}_{len(taken) + 1}"
             self.kept_pairs[pairs] = sympy.Symbol(name, integer=True, nonnegative=True)

@@ -13,7 +13,8 @@ class Term:
 
     ``kind`` is the rule's kind (``matmul``, ``elementwise``, ``embedding``: which conventions count
     it); ``causal_exact`` the exact count of a causal attention call (``flops`` is the dense count),
-    of a sliding-window one when ``window``.
+    or of the pairs its mask keeps; ``causal_half`` what ``causal="half"`` counts when that is not
+    ``flops / 2`` (a sliding window: dense; packed sequences: half their blocks, Σᵢ sᵢ²/2).
     """
 
     node: str
@@ -25,7 +26,7 @@ class Term:
     causal_exact: sympy.Expr | None = None
     router: bool = False  # a mixture-of-experts router GEMM (or its backward): see ``analysis/moe.py``
     dims: tuple[int, ...] = ()  # the static sizes of its tensor operands (> 1): what a formula may size differently
-    window: bool = False  # causal_exact is a sliding window's: causal="half" (Megatron's s²/2) does not apply
+    causal_half: sympy.Expr | None = None
 
 
 @dataclass(frozen=True)
