@@ -5,7 +5,9 @@ once; then, for random microbatches whose metadata (``cu_seqlens``, ``image_grid
 GPU, the counting path of ``instrument()`` (binding shapes, segment power sums with tensor ops on the
 device, guard checks, meter accumulation) runs under ``torch.cuda.set_sync_debug_mode("error")``, which
 raises on any synchronising CUDA call. The meter is read once at the end (one copy) and compared with
-the same batches counted from host metadata. Prints the per-microbatch counting time on the device.
+the same batches counted from host metadata. Then the same for a tiny HF Llama whose attention masks
+are read from the graph: a padded ``attention_mask`` and packed ``position_ids`` (the kept-pairs
+statistics summed on the device). Prints the per-microbatch counting time on the device.
 """
 
 from __future__ import annotations
@@ -45,7 +47,40 @@ def main() -> int:
     print(f"counted {len(on_device)} microbatches with device metadata under sync debug mode 'error': no sync")
     print(f"  {elapsed / len(on_device) * 1e6:.1f} us per microbatch (host time, kernels queued asynchronously)")
     print(f"  total {got:,} FLOPs; from host metadata {expected:,}: {'equal' if got == expected else 'DIFFERENT'}")
-    return 0 if got == expected else 1
+    return 0 if got == expected and text_masks() else 1
+
+
+def text_masks() -> bool:
+    """HF Llama calls whose mask statistics come from device tensors: no sync, equal to the host's."""
+    import transformers
+
+    from fxflops.conventions import FLOPCOUNTER
+
+    exact = FLOPCOUNTER.but(causal="exact")
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, attn_implementation="sdpa", use_cache=False,
+    )
+    model = transformers.LlamaForCausalLM(config).eval()
+    ids, padding = torch.randint(0, 64, (2, 16)), torch.ones(2, 16, dtype=torch.long)
+    padding[0, 9:] = 0
+    positions = torch.cat([torch.arange(5), torch.arange(11)]).repeat(2, 1)
+    ok = True
+    for name, kwargs in (("attention_mask", {"attention_mask": padding}), ("packed position_ids", {"position_ids": positions})):
+        wrapper = fxflops.instrument(model, strict=True)
+        with torch.no_grad():
+            wrapper(input_ids=ids, **kwargs)
+        host = wrapper.flops.total(convention=exact)
+        on_device = {"input_ids": ids.cuda(), **{k: v.cuda() for k, v in kwargs.items()}}
+        wrapper.flops.reset()
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        wrapper._count((), on_device)
+        torch.cuda.set_sync_debug_mode("default")
+        got = wrapper.flops.total(convention=exact)
+        print(f"HF Llama, {name} on the GPU: no sync; exact-causal total {got:,}, host {host:,}: {'equal' if got == host else 'DIFFERENT'}")
+        ok &= got == host
+    return ok
 
 
 if __name__ == "__main__":

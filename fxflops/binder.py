@@ -236,13 +236,13 @@ class Binder:
         ops on the padding input's device: the non-zero count per key times its weight (a 0-d tensor
         there; read as an int on the CPU: no sync). Without padding (a sliding window): the rows
         times the weights' sum, from the sizes on the host."""
-        lines = []
+        lines, runs = [], {}
         for j, (sym, pairs) in enumerate(sorted(self.kept_pairs.items(), key=lambda item: str(item[0]))):
             queries, keys, offset, window = (
                 python_source(e, var) if e is not None else "None" for e in (pairs.queries, pairs.keys, pairs.offset, pairs.window)
             )
             if pairs.runs is not None:
-                lines += self._run_lines(j, sym, pairs, positions, var)
+                lines += self._run_lines(j, sym, pairs, positions, var, runs)
                 continue
             if pairs.padding is None:
                 batch = python_source(pairs.batch, var)
@@ -258,37 +258,63 @@ class Binder:
             lines.append(f"    if _q{j}.is_cpu and _binder.host_metadata: {var[sym]} = int({var[sym]})")
         return lines
 
-    def _run_lines(self, j: int, sym: sympy.Symbol, pairs: KeptPairs, positions: dict[str, str], var: dict[sympy.Symbol, str]) -> list[str]:
-        """Code for a packed mask's statistic (``KeptPairs.runs``) from the positions input with tensor
-        ops on its device: its rows broadcast to the batch, each token's place in its run
-        (``run_places``), then Σ n, Σ min(n, window) or Σ (2n − 1)."""
+    def _run_lines(
+        self, j: int, sym: sympy.Symbol, pairs: KeptPairs, positions: dict[str, str], var: dict[sympy.Symbol, str], runs: dict
+    ) -> list[str]:
+        """Code for a packed mask's statistic (``KeptPairs.runs``) from the positions input P (R rows
+        of S, broadcast to the batch), with tensor ops on its device. With n the place of each token
+        in its run (1 for its first) and f = j − n + 1 the index of its run's first token, Σ n =
+        R·S(S+1)/2 − Σ f (causal) and Σ (2n − 1) = R·S² − 2·Σ f (whole blocks), from one Σ f per
+        input (``run_starts_sum``, shared in ``runs``); a window needs Σ min(n, W) (``run_places``)."""
         if pairs.runs[0] not in positions:
             raise InputError(f"the call lacks input {path_label(pairs.runs)!r} that the attention mask is built from")
-        batch = python_source(pairs.batch, var)
+        lines = []
+        if pairs.runs not in runs:
+            p = runs[pairs.runs] = f"_p{j}"
+            lines += [
+                f"    {p} = {self._accessor(pairs.runs, positions)}",
+                f"    {p}_rows, {p}_len = {p}.shape[0], {p}.shape[-1]",
+                f"    {p}_first = _binder.run_starts_sum({p})",
+                f"    if {p}.is_cpu and _binder.host_metadata: {p}_first = int({p}_first)",
+            ]
+        p = runs[pairs.runs]
+        broadcast = f"(({python_source(pairs.batch, var)}) // {p}_rows)"
         if pairs.offset is None:
-            total = f"2 * _n{j} - 1"
+            total = f"{p}_rows * {p}_len * {p}_len - 2 * {p}_first"
         elif pairs.window is None:
-            total = f"_n{j}"
+            total = f"{p}_rows * {p}_len * ({p}_len + 1) // 2 - {p}_first"
         else:
-            total = f"_n{j}.clamp(max={python_source(pairs.window, var)})"
-        return [
-            f"    _p{j} = {self._accessor(pairs.runs, positions)}",
-            f"    _n{j} = _binder.run_places(_p{j}.expand({batch}, -1))",
-            f"    {var[sym]} = ({total}).sum()",
-            f"    if _p{j}.is_cpu and _binder.host_metadata: {var[sym]} = int({var[sym]})",
-        ]
+            total = f"_binder.run_places({p}).clamp(max={python_source(pairs.window, var)}).sum()"
+        lines.append(f"    {var[sym]} = {broadcast} * ({total})")
+        if pairs.window is not None:
+            lines.append(f"    if {p}.is_cpu and _binder.host_metadata: {var[sym]} = int({var[sym]})")
+        return lines
 
-    @staticmethod
-    def run_places(positions: torch.Tensor) -> torch.Tensor:
-        """Each token's place n (1, 2, ...) in its run of consecutive positions along the last dim: a
-        run starts at the first token and wherever a position is not its predecessor's + 1 (HF's
-        ``find_packed_sequence_indices``); n = j − (the last start ≤ j) + 1, with a running maximum
-        (no host read)."""
-        index = torch.arange(positions.shape[-1], device=positions.device)
-        starts = torch.ones_like(positions, dtype=torch.bool)
-        starts[..., 1:] = positions[..., 1:] - positions[..., :-1] != 1
-        first = torch.where(starts, index, 0).cummax(-1).values
-        return index - first + 1
+    def run_starts_sum(self, positions: torch.Tensor) -> torch.Tensor:
+        """Σ over the tokens of ``positions`` (rows of S) of the index of the first token of their run of
+        consecutive positions: a run starts at index 0 and wherever a position is not its
+        predecessor's + 1 (HF's ``find_packed_sequence_indices``), so the first token's index of
+        token j ≥ 1 is the running maximum of j·[P[j] − P[j−1] ≠ 1] (0 for token 0): a 0-d tensor,
+        no host read."""
+        steps = positions[..., 1:] - positions[..., :-1] != 1
+        return (self._indices(positions.shape[-1], positions.device) * steps).cummax(-1).values.sum()
+
+    def run_places(self, positions: torch.Tensor) -> torch.Tensor:
+        """Each token's place n (1, 2, ...) in its run (``run_starts_sum``): 1 for token 0, and
+        j − (its run's first index) + 1 after."""
+        steps = positions[..., 1:] - positions[..., :-1] != 1
+        index = self._indices(positions.shape[-1], positions.device)
+        places = index - (index * steps).cummax(-1).values + 1
+        return torch.cat([torch.ones_like(places[..., :1]), places], -1)
+
+    def _indices(self, length: int, device: torch.device) -> torch.Tensor:
+        """``arange(1, length)`` on ``device``, cached with the pair weights."""
+        key = ("indices", length, device)
+        if key not in self._weights:
+            if len(self._weights) >= 256:
+                self._weights.clear()
+            self._weights[key] = torch.arange(1, length, device=device)
+        return self._weights[key]
 
     def pair_weights(self, keys: int, queries: int, offset: int, device: torch.device, window: int | None = None) -> torch.Tensor:
         """For each key k < K the queries q < Q that see it: k ≤ q + offset, and with a sliding
