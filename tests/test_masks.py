@@ -416,8 +416,10 @@ def test_a_plain_model_packing_its_own_sequences_is_read(causal, rows):
     dims = {"x": {0: "b", 1: "s"}, "positions": {1: "s"} if rows == "one row" else {0: "b", 1: "s"}}
     wrapper = fxflops.instrument(_Packed("ids", causal), dims=dims, strict=True)
     rng = random.Random(rows)
-    for seq in (7, 10, 4):
+    for seq in (7, 10, 4, 9):
         positions = _packed_positions(rng, 1 if rows == "one row" else 3, seq)
+        if seq == 9:  # any integers: repeats, steps back, gaps (HF's definition holds for every row)
+            positions = torch.randint(-3, 4, positions.shape)
         wrapper.flops.reset()
         wrapper(torch.randn(3, seq, 8), positions)
         expanded = positions.expand(3, -1)
