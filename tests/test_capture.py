@@ -564,3 +564,27 @@ def test_a_failing_rule_names_the_op_the_module_and_the_graph_node():
     assert "aten.mm" in message and "'0.proj'" in message and "this rule refuses its input" in message
     assert "While analysing graph node %mm" in message and "torch.ops.aten.mm" in message
     assert isinstance(caught.value.__cause__, ValueError)
+
+
+class _ReadsValues(nn.Module):
+    """Branches on its input's values (``if (x > 0).any()``) when ``reads``; else a Linear."""
+
+    def __init__(self, reads: bool, inner: nn.Module | None = None):
+        super().__init__()
+        self.reads, self.inner, self.proj = reads, inner, nn.Linear(8, 8)
+
+    def forward(self, x):
+        x = self.proj(x) if self.inner is None else self.inner(self.proj(x))
+        if self.reads and (x > 0).any():
+            return x * 2
+        return x
+
+
+@pytest.mark.parametrize("where", ["", "inner", "inner.inner"])
+def test_a_data_dependent_line_is_refused_naming_its_module(where):
+    """The refusal names the innermost module whose forward holds the line (root, middle, leaf)."""
+    leaf = _ReadsValues(where == "inner.inner")
+    model = _ReadsValues(where == "", _ReadsValues(where == "inner", leaf))
+    with pytest.raises(fxflops.CaptureError) as caught:
+        fxflops.trace(model, (torch.randn(3, 8),), dims={"x": {0: "b"}})
+    assert f"in module {where or '<root>'!r} at " in str(caught.value) and "(x > 0).any()" in str(caught.value)

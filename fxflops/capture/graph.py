@@ -177,15 +177,16 @@ def trace_graph(
     except (CaptureError, LayerCalledTwice):
         raise
     except Exception as exc:  # make_fx raises many types; name the model and the line
-        hint = ""
+        hint, where = "", _running_module(exc, model)
         if "data-dependent" in str(exc) or "DataDependent" in type(exc).__name__:
             hint = (
                 " — the code reads tensor values. If that is a module looping over the segments of a "
                 "packed input (e.g. torch.split(x, lengths.tolist())), declare it with "
-                "per_segment={'<module path pattern>': '<offsets argument>'}"
+                f"per_segment={{{where or '<module path pattern>'!r}: '<offsets argument>'}}"
             )
+        module = "" if where is None else f" in module {where or '<root>'!r}"
         raise CaptureError(
-            f"could not trace {type(model).__name__} symbolically at {_model_line(exc)}: "
+            f"could not trace {type(model).__name__} symbolically{module} at {_model_line(exc)}: "
             f"{type(exc).__name__}: {str(exc).splitlines()[0]}{hint}"
         ) from exc
 
@@ -207,6 +208,19 @@ def _backward_roots(out: Any, outputs: list[torch.Tensor]) -> list[torch.Tensor]
     if isinstance(loss, torch.Tensor) and loss.dtype.is_floating_point:
         return [loss]
     return [x for x in outputs if x.dtype.is_floating_point]
+
+
+def _running_module(exc: BaseException, model: torch.nn.Module) -> str | None:
+    """The path of the innermost module of ``model`` whose call was running where ``exc`` was
+    raised (the ``self`` of the innermost traceback frame that is one of its modules), or None."""
+    paths = {id(module): path for path, module in model.named_modules()}
+    where, tb = None, exc.__traceback__
+    while tb is not None:
+        owner = tb.tb_frame.f_locals.get("self")
+        if isinstance(owner, torch.nn.Module) and id(owner) in paths:
+            where = paths[id(owner)]
+        tb = tb.tb_next
+    return where
 
 
 def _model_line(exc: BaseException) -> str:
