@@ -458,3 +458,23 @@ def test_hf_packed_sequences_with_a_sliding_window():
         kept, blocks = attention_core(packed_triples(positions, window=4)), attention_core(packed_triples(positions, causal=False))
         assert wrapper.flops.total() - wrapper.flops.total(convention=EXACT) == dense - kept
         assert wrapper.flops.total() - wrapper.flops.total(convention=HALF) == dense - blocks
+
+
+@pytest.mark.parametrize("attn", ["sdpa", pytest.param("eager", marks=pytest.mark.long)])
+def test_generation_counts_the_kept_triples_of_every_decode_step(attn):
+    """A padded batch generating: the prefill keeps k <= q over the real tokens; each decode step's
+    one query row (which SDPA may share between the query heads of a key-value head) keeps every
+    real key of the cache: Σ_b (real tokens of row b so far), by brute force over the mask."""
+    model = _text_model("llama", attn).eval()
+    model.generation_config.pad_token_id, model.generation_config.eos_token_id = 0, 63
+    wrapper = fxflops.instrument(model, strict=True)
+    ids, mask = torch.randint(1, 60, (2, 6)), torch.tensor([[0, 0, 1, 1, 1, 1], [1] * 6])
+    new = 4
+    wrapper.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False)
+    decode_dense = sum(attention_core(2 * (6 + step)) for step in range(1, new))
+    decode_kept = sum(
+        attention_core(kept_triples(torch.cat([mask, torch.ones(2, step, dtype=torch.long)], 1), 1, offset=5 + step))
+        for step in range(1, new)
+    )
+    assert wrapper.flops.total("prefill") - wrapper.flops.total("prefill", convention=EXACT) == attention_core(2 * 36) - attention_core(kept_triples(mask, 6))
+    assert wrapper.flops.total("decode") - wrapper.flops.total("decode", convention=EXACT) == decode_dense - decode_kept

@@ -278,21 +278,24 @@ class NodeRules:
         if causal is None:
             return None
         shape = as_rule_argument(mask, self.named)  # the mask spans queries and keys (and rows, with padding)
-        spans = [(shape[-2], queries), (shape[-1], keys)] + ([(shape[0], batch)] if causal.padding is not None else [])
+        # one mask row broadcast over every query row (a decode step whose query heads SDPA folds
+        # into the query dim): each row keeps that row's keys, the triples are Q x those of the row
+        seen = 1 if sympy.expand(shape[-2] - 1) == 0 and causal.runs is None else queries
+        spans = [(shape[-2], seen), (shape[-1], keys)] + ([(shape[0], batch)] if causal.padding is not None else [])
         if causal.runs is not None:  # one positions row gives both the queries' and the keys' runs
             spans.append((queries, keys))
         if any(sympy.expand(a - b) != 0 for a, b in spans):
             return None
-        pairs = pairs_kept(causal, batch, queries, keys)
-        per_triple = sympy.cancel(flops / (batch * queries * keys))
-        if pairs is None or sympy.fraction(per_triple)[1].free_symbols:
+        pairs = pairs_kept(causal, batch, seen, keys)
+        per_row = sympy.cancel(flops / (batch * seen * keys))  # FLOPs per (batch, mask row, key)
+        if pairs is None or sympy.fraction(per_row)[1].free_symbols:
             return None
-        blocks = self._statistic(whole_blocks(causal, batch, queries, keys))
+        blocks = self._statistic(whole_blocks(causal, batch, seen, keys))
         kept = self._statistic(pairs) if causal.offset is not None else blocks
         halved = causal.offset is not None and causal.window is None
-        half = None if causal.runs is None and halved else sympy.expand(per_triple * blocks / (2 if halved else 1))
+        half = None if causal.runs is None and halved else sympy.expand(per_row * blocks / (2 if halved else 1))
         self.notes.append(f"{path or '<root>'}: an attention mask is read from the graph as {_described(causal)}")
-        return sympy.expand(per_triple * kept), half
+        return sympy.expand(per_row * kept), half
 
     def _statistic(self, pairs: KeptPairs | sympy.Expr) -> sympy.Expr:
         """The runtime symbol of a kept-pairs statistic (one per input and shape); a polynomial as it is."""
