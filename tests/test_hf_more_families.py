@@ -1,5 +1,7 @@
-"""Four more Hugging Face VLM families with zero configuration: InternVL, Aya Vision, Llama 4 and
-Florence-2 (encoder-decoder), tiny random-weight models built here (not in ``fxflops/models/hf_zoo.py``).
+"""Five more Hugging Face VLM families with zero configuration: InternVL, Aya Vision, Llama 4,
+Florence-2 (encoder-decoder) and Kimi-K2.5 (packed patches with ``image_grid_thw``, whose
+``get_image_features`` lacks transformers' ``accepts_precomputed_kwargs``), tiny random-weight models
+built here (not in ``fxflops/models/hf_zoo.py``).
 
 Each family is built with ``attn_implementation="eager"`` (attention as explicit matmuls, which
 FlopCounterMode counts; its CPU SDPA count is 0, so sdpa is never the reference) and called on random
@@ -92,6 +94,25 @@ def build_florence2() -> torch.nn.Module:
     return eager(transformers.Florence2ForConditionalGeneration, config)
 
 
+KIMI_PATCH = 4
+
+
+def build_kimi_k25() -> torch.nn.Module:
+    """MoonViT-style tower on packed 4x4 patches with ``image_grid_thw`` (2x2 merge: hw/4 tokens per
+    image), DeepSeek-V3 text (MLA attention, 4 routed experts top-2 and a shared one, a dense first layer)."""
+    import transformers
+
+    config = transformers.Kimi_K25Config(
+        vision_config=dict(patch_size=KIMI_PATCH, pos_emb_height=8, pos_emb_width=8, pos_emb_time=4, num_attention_heads=4,
+                           num_hidden_layers=2, hidden_size=32, intermediate_size=64, merge_kernel_size=[2, 2]),
+        text_config=dict(TEXT, model_type="deepseek_v3", moe_intermediate_size=32, n_shared_experts=1, n_routed_experts=4,
+                         kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=8,
+                         n_group=1, topk_group=1, num_experts_per_tok=2, first_k_dense_replace=1, num_key_value_heads=4),
+        projection_hidden_size=32, image_token_id=IMAGE, video_token_id=251, vision_start_token_id=START,
+        vision_end_token_id=END)
+    return eager(transformers.Kimi_K25ForConditionalGeneration, config)
+
+
 def words(rng: random.Random, low: int, high: int) -> list[int]:
     return [rng.randrange(50, 200) for _ in range(rng.randint(low, high))]
 
@@ -147,7 +168,7 @@ DECODER_ONLY = {  # family -> (builder, image tokens of an image of n tiles, til
     "aya_vision": (build_aya_vision, aya_vision_tokens, any_split),
     "llama4": (build_llama4, llama4_tokens, llama4_split),
 }
-FAMILIES = [*DECODER_ONLY, "florence2"]
+FAMILIES = [*DECODER_ONLY, "florence2", "kimi_k25"]
 
 
 def decoder_only_batch(family: str, rng: random.Random, images: bool) -> dict:
@@ -196,8 +217,28 @@ def florence2_batch(rng: random.Random, images: bool) -> dict:
     return call
 
 
+def kimi_batch(rng: random.Random, images: bool) -> dict:
+    """1-6 images of random even grids (1, h, w), h, w in 2-6, each in a random one of 1-3 sequences:
+    <start> <image> x (h·w/4) <end>; pixel_values the packed patches (Σ h·w, 3, 4, 4)."""
+    batch = rng.randint(1, 3)
+    grids = [(1, 2 * rng.randint(1, 3), 2 * rng.randint(1, 3)) for _ in range(rng.randint(1, 6) if images else 0)]
+    owners = sorted(rng.randrange(batch) for _ in grids)  # the grid rows follow the image tokens' order
+    sequences = [words(rng, 1, 3) for _ in range(batch)]
+    for (_, h, w), owner in zip(grids, owners):
+        sequences[owner] += [START] + [IMAGE] * (h * w // 4) + [END] + words(rng, 0, 3)
+    ids, mask = padded([seq + words(rng, 1, 6) for seq in sequences])
+    call = dict(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100))
+    if grids:
+        call["pixel_values"] = torch.randn(sum(h * w for _, h, w in grids), 3, KIMI_PATCH, KIMI_PATCH)
+        call["image_grid_thw"] = torch.tensor(grids)
+    return call
+
+
 def random_batch(family: str, rng: random.Random, images: bool, training: bool) -> dict:
-    call = florence2_batch(rng, images) if family == "florence2" else decoder_only_batch(family, rng, images)
+    if family == "kimi_k25":
+        call = kimi_batch(rng, images)
+    else:
+        call = florence2_batch(rng, images) if family == "florence2" else decoder_only_batch(family, rng, images)
     if not training:
         del call["labels"]
     return call
@@ -207,10 +248,14 @@ def situation(batch: dict) -> str:
     """What may take a trace down another path: calls without pixel_values (the vision tower not run),
     and a vision batch of exactly 1 (torch specializes sizes of 1: InternVL's reshape of the features
     guards ``images != 1``, Florence-2's depthwise conv ``images <= 1``, Llama 4's only in training).
-    Florence-2's image size is no situation: 48 and 64px share a program.
+    Florence-2's image size is no situation: 48 and 64px share a program. Kimi-K2.5's derived
+    ``image_temporal_merge_index`` ends with the number of merged image tokens, a Python int: a
+    Python argument, so each total gets its own program (exact; not yet a symbol).
     fxflops captures at most one program per situation met."""
     if "pixel_values" not in batch:
         return "text only"
+    if "image_grid_thw" in batch:  # Kimi-K2.5's temporal_merge_index holds the merged tokens as a Python int
+        return f"{int(batch['image_grid_thw'].prod(-1).sum()) // 4} image tokens"
     return "one tile" if batch["pixel_values"].shape[0] == 1 else "several tiles"
 
 
@@ -226,6 +271,8 @@ def build(family: str, monkeypatch: pytest.MonkeyPatch) -> torch.nn.Module:
         return build_llama4()
     if family == "florence2":
         return build_florence2()
+    if family == "kimi_k25":
+        return build_kimi_k25()
     return DECODER_ONLY[family][0]()
 
 

@@ -919,3 +919,34 @@ def test_math_of_hand_formulas():
         ) / rule_for(aten._scaled_dot_product_efficient_attention)((1, 2, 3, 8), (1, 2, 5, 8), (1, 2, 5, 8)),
         2.5,
     )
+
+
+class _Bag(torch.nn.Module):
+    """A weighted gather from a table (interpolation taps of a position table, as Kimi-K2.5's)."""
+
+    def __init__(self):
+        super().__init__()
+        self.table = torch.nn.Parameter(torch.randn(16, 8))
+
+    def forward(self, indices, weights):
+        return F.embedding_bag(indices, self.table, per_sample_weights=weights, mode="sum")
+
+
+def test_embedding_bag_is_elementwise_work():
+    """Not a matmul (FlopCounterMode counts 0: the default convention too); under count="all" a
+    multiply and an add per gathered element (6 bags x 4 taps x width 8), and in training the table's
+    gradient as much again plus a width-8 dot product per tap for the weights' gradient."""
+    import fxflops
+    from fxflops.conventions import FLOPCOUNTER
+
+    model, everything = _Bag(), FLOPCOUNTER.but(count="all")
+    indices, weights = torch.randint(0, 16, (6, 4)), torch.rand(6, 4, requires_grad=True)
+    wrapper = fxflops.instrument(model, dims={"indices": {0: "bags"}, "weights": {0: "bags"}}, backward=True, strict=True)
+    wrapper(indices, weights).sum().backward()
+    with FlopCounterMode(display=False) as reference:
+        model(indices, weights).sum().backward()
+    assert wrapper.flops.total() == reference.get_total_flops() == 0
+    assert not wrapper.program.unsupported
+    gathered = 6 * 4 * 8
+    assert wrapper.flops.total("fwd", convention=everything) == 2 * gathered
+    assert wrapper.flops.total("bwd", convention=everything) == 2 * gathered + 2 * gathered

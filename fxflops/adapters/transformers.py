@@ -12,7 +12,9 @@ what the model and transformers themselves declare, never from a list of model c
   encoder that takes ``grid_thw`` (``transformers.exporters.utils.precompute_export_inputs``). The
   adapter runs that registry on the model's vision encoder, and the model's own ``get_rope_index``,
   on the real batch before every call. The model then skips its loops (the work is moved, not
-  added), and the captured program binds the offsets as segment families.
+  added), and the captured program binds the offsets as segment families. A base model whose
+  ``get_<modality>_features`` lacks transformers' ``accepts_precomputed_kwargs`` gets it on the
+  capture's twin only (:func:`_accepting_precomputed`).
 - **Per-segment modules**: the innermost modules whose ``forward`` takes ``cu_seqlens`` (eager and sdpa
   vision attention loop over ``torch.split(q, lengths.tolist())``) are lifted (``capture/lifting.py``),
   billed Σₖ cₖ·pₖ over the offsets' segment power sums.
@@ -170,9 +172,49 @@ class TransformersAdapter(Adapter):
     def capturing(self, model: torch.nn.Module) -> Iterator[None]:
         owners = [m for m in model.modules() if any(callable(getattr(m, g, None)) for g in FEATURE_GETTERS)]
         with contextlib.ExitStack() as stack:
+            stack.enter_context(_accepting_precomputed(model, _vision_encoder(model)))
             stack.enter_context(packed_pieces(owners, FEATURE_GETTERS))
             stack.enter_context(_experts_as_batched_matmuls(model))
             yield
+
+
+@contextlib.contextmanager
+def _accepting_precomputed(model: torch.nn.Module, encoder: torch.nn.Module | None) -> Iterator[None]:
+    """The metadata :meth:`TransformersAdapter.prepare` adds reaches the encoder while capturing.
+
+    transformers routes ``image_cu_seqlens`` & co. to the encoder as ``cu_seqlens`` with the
+    decorator ``accepts_precomputed_kwargs(modality)`` on the base model's ``get_<modality>_features``
+    (the owner of the encoder, whose forward takes ``grid_thw``). A family that leaves the decorator
+    out (Kimi-K2.5) hands the prefixed names to the encoder unread, so the encoder derives them again
+    with loops over the grid's values, which a symbolic trace cannot run. For the capture, on the
+    twin only (``capture/isolation.py``), that method gets the decorator; the model's own calls stay
+    as they are and compute the same metadata with their loops: the same arithmetic."""
+    patched: list[tuple[torch.nn.Module, str]] = []
+    if encoder is not None:
+        from transformers.utils.generic import accepts_precomputed_kwargs
+
+        decorated = accepts_precomputed_kwargs("image")(lambda: None).__code__
+        for owner in (m for m in model.modules() if any(child is encoder for child in m.children())):
+            for modality, getter in (("image", "get_image_features"), ("video", "get_video_features")):
+                method = getattr(owner, getter, None)
+                if callable(method) and not _wrapped_by(method, decorated):
+                    owner.__dict__[getter] = accepts_precomputed_kwargs(modality)(method)
+                    patched.append((owner, getter))
+    try:
+        yield
+    finally:
+        for owner, getter in patched:
+            owner.__dict__.pop(getter, None)
+
+
+def _wrapped_by(function: Any, code: Any) -> bool:
+    """``function`` or one of the functions it wraps (``__wrapped__``) runs ``code``."""
+    function = getattr(function, "__func__", function)
+    while function is not None:
+        if getattr(function, "__code__", None) is code:
+            return True
+        function = getattr(function, "__wrapped__", None)
+    return False
 
 
 @contextlib.contextmanager

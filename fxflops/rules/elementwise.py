@@ -133,3 +133,26 @@ def embedding(weight, indices, *args, out_shape=None, **kwargs):
 def embedding_backward(grad_output, indices, *args, out_shape=None, **kwargs):
     """embedding backward: 1 per gradient element (a scatter-add)."""
     return numel(grad_output)
+
+
+@register(aten._embedding_bag, aten._embedding_bag_forward_only, kind="elementwise")
+def embedding_bag(weight, indices, offsets, scale_grad_by_freq=False, mode=0, sparse=False, per_sample_weights=None, *args, out_shape=None, **kwargs):
+    """embedding_bag (a weighted gather, e.g. interpolation taps of a position table): per gathered
+    element (indices × width) an add into its bag, and a multiply by its weight when
+    ``per_sample_weights`` is given; mode mean (1) divides each output element."""
+    gathered = numel(indices) * weight[-1]
+    return gathered * (2 if per_sample_weights is not None else 1) + (numel(out_shape[0]) if mode == 1 else 0)
+
+
+@register(aten._embedding_bag_backward, aten._embedding_bag_dense_backward, kind="elementwise")
+def embedding_bag_backward(grad, indices, *args, out_shape=None, **kwargs):
+    """embedding_bag backward to the table: each gathered element's gradient (width per index)
+    scattered back with an add, times its weight when the bag was weighted."""
+    weighted = kwargs.get("per_sample_weights", args[8] if len(args) > 8 else None) is not None
+    return numel(indices) * grad[-1] * (2 if weighted else 1)
+
+
+@register(aten._embedding_bag_per_sample_weights_backward, kind="elementwise")
+def embedding_bag_weights_backward(grad, weight, indices, *args, out_shape=None, **kwargs):
+    """embedding_bag backward to the per-sample weights: a dot product of width per index."""
+    return 2 * numel(indices) * weight[-1]
