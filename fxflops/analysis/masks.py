@@ -139,8 +139,9 @@ class Input:
         return cls(path, as_bool, tuple(axis(rank - 1 - d) for d in range(rank)))
 
     def at(self, indices: list[Position]) -> tuple[sympy.Expr, ...]:
-        """This tensor's index composed with a lookup ``self[indices]`` (one position per dim)."""
-        rank = len(self.index)
+        """This tensor's index composed with a lookup ``self[indices]`` (one position per dim of
+        this tensor, a view of the input: its rank is ``len(indices)``)."""
+        rank = len(indices)
         return tuple(i.xreplace({axis(rank - 1 - d): p.value for d, p in enumerate(indices)}) for i in self.index)
 
 
