@@ -123,7 +123,7 @@ class Binder:
         # as on an accelerator: the same code path, so it can be checked on a CPU-only machine.
         self.host_metadata = True
         self._by_layout: dict[tuple, Callable[[tuple, dict], tuple[int, ...]]] = {}
-        self._weights: dict[tuple, torch.Tensor] = {}  # pair_weights, per shape and device
+        self._weights: dict[tuple, torch.Tensor] = {}  # pair_weights and run indices, per shape and device (_cached)
 
     def values(self, args: tuple, kwargs: dict) -> tuple[int, ...]:
         """The free symbols' values for this call, in ``self.symbols`` order; InputError if off-trace."""
@@ -292,46 +292,48 @@ class Binder:
 
     def run_starts_sum(self, positions: torch.Tensor) -> torch.Tensor:
         """Σ over the tokens of ``positions`` (rows of S) of the index of the first token of their run of
-        consecutive positions: a run starts at index 0 and wherever a position is not its
-        predecessor's + 1 (HF's ``find_packed_sequence_indices``), so the first token's index of
-        token j ≥ 1 is the running maximum of j·[P[j] − P[j−1] ≠ 1] (0 for token 0): a 0-d tensor,
-        no host read."""
-        steps = positions[..., 1:] - positions[..., :-1] != 1
-        return (self._indices(positions.shape[-1], positions.device) * steps).cummax(-1).values.sum()
+        consecutive positions (``_run_firsts``; 0 for token 0): a 0-d tensor, no host read."""
+        return self._run_firsts(positions)[1].sum()
 
     def run_places(self, positions: torch.Tensor) -> torch.Tensor:
-        """Each token's place n (1, 2, ...) in its run (``run_starts_sum``): 1 for token 0, and
+        """Each token's place n (1, 2, ...) in its run (``_run_firsts``): 1 for token 0, and
         j − (its run's first index) + 1 after."""
-        steps = positions[..., 1:] - positions[..., :-1] != 1
-        index = self._indices(positions.shape[-1], positions.device)
-        places = index - (index * steps).cummax(-1).values + 1
+        index, firsts = self._run_firsts(positions)
+        places = index - firsts + 1
         return torch.cat([torch.ones_like(places[..., :1]), places], -1)
 
-    def _indices(self, length: int, device: torch.device) -> torch.Tensor:
-        """``arange(1, length)`` on ``device``, cached with the pair weights."""
-        key = ("indices", length, device)
-        if key not in self._weights:
-            if len(self._weights) >= 256:
-                self._weights.clear()
-            self._weights[key] = torch.arange(1, length, device=device)
-        return self._weights[key]
+    def _run_firsts(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """For tokens j ≥ 1 of each row: j, and the index of the first token of j's run. A run starts
+        at index 0 and wherever a position is not its predecessor's + 1 (HF's
+        ``find_packed_sequence_indices``), so that index is the running maximum of j·[P[j] − P[j−1] ≠ 1]."""
+        steps = positions[..., 1:] - positions[..., :-1] != 1
+        length, device = positions.shape[-1], positions.device
+        index = self._cached(("indices", length, device), lambda: torch.arange(1, length, device=device))
+        return index, (index * steps).cummax(-1).values
 
     def pair_weights(self, keys: int, queries: int, offset: int, device: torch.device, window: int | None = None) -> torch.Tensor:
         """For each key k < K the queries q < Q that see it: k ≤ q + offset, and with a sliding
         ``window`` also k > q + offset − window, i.e. q from max(0, k − offset) to
-        min(Q − 1, k − offset + window − 1) (cached per shape and device: one tensor made per
-        sequence length, not per call)."""
-        key = (keys, queries, offset, window, device)
-        weights = self._weights.get(key)
-        if weights is None:
-            if len(self._weights) >= 256:  # many lengths: keep the cache small
-                self._weights.clear()
+        min(Q − 1, k − offset + window − 1)."""
+
+        def weights() -> torch.Tensor:
             first = (torch.arange(keys, device=device) - offset).clamp(min=0)
             last = torch.full_like(first, queries - 1)
             if window is not None:
                 last = last.minimum(torch.arange(keys, device=device) - offset + window - 1)
-            weights = self._weights[key] = (last - first + 1).clamp(min=0)
-        return weights
+            return (last - first + 1).clamp(min=0)
+
+        return self._cached((keys, queries, offset, window, device), weights)
+
+    def _cached(self, key: tuple, make: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """A tensor per shape and device, made once (one per sequence length, not per call); many
+        lengths: the cache is emptied past 256 entries."""
+        tensor = self._weights.get(key)
+        if tensor is None:
+            if len(self._weights) >= 256:
+                self._weights.clear()
+            tensor = self._weights[key] = make()
+        return tensor
 
     @staticmethod
     def _malformed(f: int, family: Family, packed: list[str], covered: list[str]) -> str:

@@ -190,9 +190,11 @@ def _accepting_precomputed(model: torch.nn.Module, encoder: torch.nn.Module | No
     twin only (``capture/isolation.py``), that method gets the decorator; the model's own calls stay
     as they are and compute the same metadata with their loops: the same arithmetic."""
     patched: list[tuple[torch.nn.Module, str]] = []
-    if encoder is not None:
+    try:
         from transformers.utils.generic import accepts_precomputed_kwargs
-
+    except ImportError:  # a transformers without the decorator: nothing routes precomputed metadata
+        encoder = None
+    if encoder is not None:
         decorated = accepts_precomputed_kwargs("image")(lambda: None).__code__
         for owner in (m for m in model.modules() if any(child is encoder for child in m.children())):
             for modality, getter in (("image", "get_image_features"), ("video", "get_video_features")):

@@ -322,7 +322,7 @@ class MaskReader:
     def _on_add(self, node: torch.fx.Node, args: list, val: torch.Tensor, sign: int = 1) -> Position | Difference | None:
         position, other = args[0], args[1] if len(args) > 1 else None
         alpha = node.kwargs.get("alpha", 1)
-        constant = _relation(other) is not None and not isinstance(other, (Position, Difference))
+        constant = _relation(other) is not None and not isinstance(other, _ORDERED)
         if isinstance(position, Position) and constant:
             return Position(position.axis, sympy.expand(position.offset + sign * alpha * _relation(other)))
         if isinstance(position, Input) and not position.as_bool and constant:  # a looked-up value shifted
@@ -501,7 +501,7 @@ def _within_runs(reader: MaskReader, relations: frozenset[sympy.Expr], rank: int
     functions = {f.func for f in runs}
     if len(functions) != 1 or rank != 4:
         return None, None
-    ((function,),) = [functions]
+    (function,) = functions
     rows = {f.args[0] for f in runs}
     if len(rows) != 1 or any(len(f.args) != 2 for f in runs) or not rows <= {axis(3), sympy.Integer(0)}:
         return None, None
