@@ -38,16 +38,19 @@ def build_program(
     allow_pins: bool = False,
     rules: Mapping[Any, Any] | None = None,
     situation: tuple | None = None,
+    roots: tuple[int, ...] | None = None,
 ) -> Program:
     """The program of ``model(*args, **kwargs)``, a call ``adapter`` has already prepared (steps 2–4
     of the module docstring). ``backward`` is a backward rule (``program.BACKWARD_RULES``):
     ``"traced"`` captures the joint forward+backward graph. ``situation`` is the call's (call key,
-    mode key) when the caller has it; otherwise it is taken from this call and the current modes."""
+    mode key) when the caller has it; otherwise it is taken from this call and the current modes.
+    ``roots``: the output tensors (by position) a traced backward starts from (default: the loss, or
+    every floating output)."""
     modes = mode_key()
     with overlaid(rules):  # checks the rules before the capture; the analysis uses them
         captured = capture(
             model, args, kwargs, dims, allow_pins=allow_pins, per_segment=per_segment,
-            backward=backward == "traced", adapter=adapter,
+            backward=backward == "traced", adapter=adapter, roots=roots,
         )
         program = Program.from_capture(captured, model, segments, strict_metadata, backward, prepare=adapter.prepare)
     program.situation = situation if situation is not None else (program.call_keys(args, kwargs), modes)

@@ -6,7 +6,16 @@ class FxFlopsError(Exception):
 
 
 class CaptureError(FxFlopsError):
-    """The model could not be traced symbolically (data-dependent code, unsupported construct)."""
+    """The model could not be traced symbolically (data-dependent code, unsupported construct).
+
+    ``module`` is the path of the innermost module whose code failed (``""``: the root's own code),
+    where the trace found it; ``None`` when the failure has no place in the module tree. A call whose
+    capture failed at a module is counted by measuring that module's own code (``fxflops/islands.py``).
+    """
+
+    def __init__(self, *args: object, module: str | None = None) -> None:
+        super().__init__(*args)
+        self.module = module
 
 
 class PinnedSymbolError(CaptureError):

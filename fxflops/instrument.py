@@ -48,6 +48,7 @@ from fxflops.capture.engines import not_a_microbatch, traced_module
 from fxflops.errors import CaptureError, FxFlopsError, GuardError, InputError, MetadataError
 from fxflops.adapters import adapter_for
 from fxflops.generation import counting_own_calls, generated_tokens
+from fxflops.islands import MeasuredCall, Spine
 from fxflops.meter import Meter
 from fxflops.build import build_program
 from fxflops.program import Program, backward_rule
@@ -67,6 +68,8 @@ class _Refusal:
     sizes: tuple
     state: ModelState | None
     reason: str
+    module: str | None = None  # where the capture failed (CaptureError.module)
+    spine: Spine | None = None  # its calls are measured there instead (fxflops/islands.py)
 
 
 @dataclass
@@ -97,14 +100,18 @@ class _Branch:
             miss = functools.partial(program.explain_guard_failure, values)
         return None, miss()
 
-    def refusal(self, sizes: tuple) -> str | None:
-        """Why a call of this size class is refused without another capture, or None."""
+    def refusal(self, sizes: tuple) -> _Refusal | None:
+        """The failed capture a call of this size class meets without another capture, or None: one
+        measured instead (``spine``), else the last refusal once :data:`MAX_ATTEMPTS` failed."""
+        found = [r for r in self.refusals if r.sizes == sizes and (r.state is None or r.state.matches())]
+        measured = next((r for r in found if r.spine is not None), None)
+        if measured is not None:
+            return measured
         if self.attempts >= MAX_ATTEMPTS:
-            return f"{self.refusals[-1].reason} (after {self.attempts} failed captures of this call layout, not trying again)"
-        for refusal in self.refusals:
-            if refusal.sizes == sizes and (refusal.state is None or refusal.state.matches()):
-                return refusal.reason
-        return None
+            last = self.refusals[-1]
+            reason = f"{last.reason} (after {self.attempts} failed captures of this call layout, not trying again)"
+            return _Refusal(last.sizes, last.state, reason, last.module)
+        return found[0] if found else None
 
 
 def _state_mismatch(state: ModelState) -> str:
@@ -137,6 +144,8 @@ class Instrumented(torch.nn.Module):
         meter: Meter | None,
         measure_routing: bool = False,
         rules: Mapping[Any, Any] | None = None,
+        measure: bool = True,
+        prefix: str = "",
     ) -> None:
         if on_miss not in ON_MISS:
             raise ValueError(f"on_miss must be one of {ON_MISS}, not {on_miss!r}")
@@ -157,6 +166,9 @@ class Instrumented(torch.nn.Module):
         self.on_miss = on_miss
         self.strict = strict
         self.max_programs = max_programs
+        self.measure = measure  # calls whose capture fails in a module are measured there (fxflops/islands.py)
+        self.prefix = prefix  # the module path this wrapper counts at (a measured call's child)
+        self._children: dict[str, Instrumented] = {}  # a measured call's children, each counted by its own programs
         self.adapter = adapter_for(self.traced)
         self._call_keys = CallKeys(self.traced.forward)
         self.rules = per_use_entries(rules) if rules else None  # per-use FLOPs rules (rules.overlaid): checked now
@@ -207,15 +219,64 @@ class Instrumented(torch.nn.Module):
         if torch.compiler.is_compiling():  # torch.compile(instrument(model)): see the module docstring
             return self._compiled_forward(args, kwargs)
         args, kwargs, found = self._look_up(args, kwargs)
+        if found is not None and isinstance(found[0], Spine):
+            return self._measured(found[0], self.model, args, kwargs)
         out = self.model(*args, **kwargs)
         self._add(found, out)
         return out
 
     def _compiled_forward(self, args: tuple, kwargs: dict) -> Any:
         args, kwargs, found = self._look_up_eagerly(args, kwargs)
+        if found is not None and isinstance(found[0], Spine):
+            self._not_counted_eagerly(CaptureError(
+                f"{type(self.traced).__name__}: a measured call ({found[0].reasons}) is not counted inside torch.compile"
+            ))
+            found = None
         out = self.model(*args, **kwargs)
         self._add_eagerly(found, out)
         return out
+
+    def _measured(self, spine: Spine, forward: Callable[..., Any], args: tuple, kwargs: dict, phase: str = "fwd") -> Any:
+        """Run a call of a measured situation (``fxflops/islands.py``) and add it whole, or not at all."""
+        if self.model is not self.traced:  # a compiled module: its submodule calls are not routed
+            self._not_counted(CaptureError(f"{type(self.traced).__name__}: a measured call is not counted through torch.compile"))
+            return forward(*args, **kwargs)
+        training = self.backward != "none" and torch.is_grad_enabled()
+        try:
+            call = MeasuredCall(self, spine, training)
+        except Exception as exc:  # noqa: BLE001 - the fail-open boundary
+            self._not_counted(exc)
+            return forward(*args, **kwargs)
+        out = call.run(forward, args, kwargs)
+        try:
+            call.counted(out, training and _requires_grad(out), phase)
+        except Exception as exc:  # noqa: BLE001 - the fail-open boundary
+            self._not_counted(exc)
+        return out
+
+    def child_counter(self, path: str, module: torch.nn.Module) -> Instrumented:
+        """The wrapper counting the calls a measured call makes to the child module at ``path``: its
+        own programs, on this wrapper's meter at that path; its capture failures are raised
+        (``measure=False``) so that the measured call can measure inside it instead."""
+        counter = self._children.get(path)
+        if counter is None or counter.traced is not module:
+            inside = {k[len(path) + 1 :]: v for k, v in (self.per_segment or {}).items() if k.startswith(path + ".")}
+            counter = Instrumented(
+                module, None, self.segments, inside or None, self.strict_metadata, self.backward, "recapture", self.strict,
+                self.max_programs, self.flops, False, self.rules, measure=False, prefix=_joined(self.prefix, path),
+            )
+            self._children[path] = counter
+        return counter
+
+    @property
+    def measured(self) -> dict[str, str]:
+        """Modules whose own code is measured per call (their capture failed there), and why."""
+        found: dict[str, str] = {}
+        for branch in self._branches.values():
+            for refusal in branch.refusals:
+                if refusal.spine is not None:
+                    found.update(refusal.spine.reasons)
+        return found
 
     def _look_up(self, args: tuple, kwargs: dict) -> tuple[tuple, dict, tuple | None]:
         """The call as the model runs it, and its (program, symbol values), or None when it is not
@@ -239,7 +300,7 @@ class Instrumented(torch.nn.Module):
             return
         try:
             training = self.backward != "none" and torch.is_grad_enabled() and _requires_grad(out)
-            self.flops.add(found[0], self._monomials(*found), training, phase=phase)
+            self.flops.add(found[0], self._monomials(*found), training, prefix=self.prefix, phase=phase)
         except Exception as exc:  # noqa: BLE001 - the one fail-open boundary
             self._not_counted(exc)
 
@@ -259,6 +320,10 @@ class Instrumented(torch.nn.Module):
             compiling = torch.compiler.is_compiling()  # generate compiles decode steps with a static cache on GPUs
             look_up, add = (self._look_up_eagerly, self._add_eagerly) if compiling else (self._look_up, self._add)
             call_args, call_kwargs, found = look_up(call_args, call_kwargs)
+            if found is not None and isinstance(found[0], Spine):
+                if not compiling:
+                    return self._measured(found[0], forward, call_args, call_kwargs, phase)
+                found = None
             out = forward(*call_args, **call_kwargs)
             add(found, out, phase)
             return out
@@ -277,6 +342,9 @@ class Instrumented(torch.nn.Module):
 
     _look_up_eagerly = torch.compiler.disable(_look_up)
     _add_eagerly = torch.compiler.disable(_add)
+
+    def _not_counted_eagerly(self, exc: Exception) -> None:
+        torch.compiler.disable(self._not_counted)(exc)
 
     def _not_counted(self, exc: Exception) -> None:
         """A call fxflops could not count: raise when asked to, else count it as uncounted and warn once."""
@@ -301,13 +369,19 @@ class Instrumented(torch.nn.Module):
     def _count(self, args: tuple, kwargs: dict, training: bool = False) -> None:
         """Count one (prepared) call without running the model."""
         program, values = self._program_for(args, kwargs)
+        if isinstance(program, Spine):
+            raise CaptureError(f"{type(self.traced).__name__}: this call is measured ({program.reasons}): it is counted only when it runs")
         self.flops.add(program, self._monomials(program, values), training)
 
-    def _program_for(self, args: tuple, kwargs: dict) -> tuple[Program, tuple[int, ...]]:
+    def _program_for(
+        self, args: tuple, kwargs: dict, roots: tuple[int, ...] | None = None
+    ) -> tuple[Program | Spine, tuple[int, ...] | None]:
         """The program of this call's situation whose model state and guards it meets, and its
         symbol values; captures a new one when none does (``on_miss``); raises FxFlopsError when
-        it cannot."""
-        layout, modes = (len(args), tuple(kwargs)), mode_key()
+        it cannot. A situation whose capture failed in a module is measured there (``measure``):
+        then (its :class:`Spine`, None). ``roots``: the output tensors a traced backward starts
+        from (a measured call's child), part of the situation."""
+        layout, modes = (len(args), tuple(kwargs), roots), mode_key()
         for check, traced_modes, program in self._recent.get(layout, ()):  # situations seen before: tested fast
             if traced_modes == modes and check(args, kwargs) and (program.state is None or program.state.matches()):
                 try:
@@ -317,18 +391,25 @@ class Instrumented(torch.nn.Module):
                 if program.within_guards(*values):
                     return program, values
         # else the general path finds (or captures) the program of this call's situation
-        situation = (self._call_keys(args, kwargs), modes)
+        situation = (self._call_keys(args, kwargs), modes) + (() if roots is None else (roots,))
         branch = self._branches.get(situation)
         if branch is not None:
             program, found = branch.find(args, kwargs)
             if program is not None:
                 self._remember(layout, situation, program, args, kwargs)
                 return program, found
+            measured = branch.refusal(_size_class(args, kwargs))
+            if measured is not None and measured.spine is not None:
+                return measured.spine, None
         with self._lock:  # one capture per situation, also when two threads make its first call
             branch = self._branches.setdefault(situation, _Branch())
             program, miss = branch.find(args, kwargs)
             if program is not None:
                 return program, miss
+            sizes = _size_class(args, kwargs)
+            refused = branch.refusal(sizes)
+            if refused is not None and refused.spine is not None:
+                return refused.spine, None
             if not branch.programs and self.programs:
                 miss = self._nearest_difference(situation)
             name = type(self.traced).__name__
@@ -339,11 +420,15 @@ class Instrumented(torch.nn.Module):
                     f"{name}: {miss}; already {len(self.programs)} programs (max_programs={self.max_programs}), "
                     "not capturing another"
                 )
-            sizes = _size_class(args, kwargs)
-            refused = branch.refusal(sizes)
             if refused is not None:
-                raise CaptureError(refused)
-            program = self._capture(branch, situation, sizes, args, kwargs)
+                raise CaptureError(refused.reason, module=refused.module)
+            try:
+                program = self._capture(branch, situation, sizes, args, kwargs, roots)
+            except CaptureError as exc:
+                if exc.module is None or not self.measure:
+                    raise
+                branch.refusals[-1].spine = Spine(exc.module, str(exc))
+                return branch.refusals[-1].spine, None
         return program, program.binder.values(args, kwargs)
 
     def _remember(self, layout: tuple, situation: tuple, program: Program, args: tuple, kwargs: dict) -> None:
@@ -367,7 +452,9 @@ class Instrumented(torch.nn.Module):
         traced = next(key for key, branch in reversed(self._branches.items()) if branch.programs)
         return f"no program for this call: {describe_difference(traced, situation)}"
 
-    def _capture(self, branch: _Branch, situation: tuple, sizes: tuple, args: tuple, kwargs: dict) -> Program:
+    def _capture(
+        self, branch: _Branch, situation: tuple, sizes: tuple, args: tuple, kwargs: dict, roots: tuple[int, ...] | None = None
+    ) -> Program:
         """Capture this call as a new program of ``branch`` (in the call's own modes: a backward is
         traced when grad is enabled)."""
         started = time.perf_counter()
@@ -378,11 +465,12 @@ class Instrumented(torch.nn.Module):
                 self.traced, args, kwargs, self.adapter, dims=self.dims, per_segment=self.per_segment,
                 segments=self.segments, strict_metadata=self.strict_metadata,
                 backward=rule,
-                allow_pins=bool(self.programs), rules=self.rules, situation=situation,
+                allow_pins=bool(self.programs), rules=self.rules, situation=situation, roots=roots,
             )
         except Exception as exc:
             reason = str(exc) if isinstance(exc, FxFlopsError) else f"capture failed: {type(exc).__name__}: {exc}"
-            branch.refusals.append(_Refusal(sizes, self._refused_state(exc), reason))
+            module = exc.module if isinstance(exc, CaptureError) else None
+            branch.refusals.append(_Refusal(sizes, self._refused_state(exc), reason, module))
             raise
         finally:
             self.flops.exclude_time(time.perf_counter() - started)  # capture time is not training time
@@ -431,6 +519,10 @@ def _with_signature(method: Any, model_forward: Any) -> Any:
     return forward
 
 
+def _joined(prefix: str, path: str) -> str:
+    return ".".join(p for p in (prefix, path) if p)
+
+
 def _requires_grad(out: Any) -> bool:
     """True if any tensor in the output requires grad (so a backward can follow this forward)."""
     if isinstance(out, torch.Tensor):
@@ -452,6 +544,7 @@ def instrument(
     meter: Meter | None = None,
     measure_routing: bool = False,
     rules: Mapping[Any, Any] | None = None,
+    measure: bool = True,
 ) -> Instrumented:
     """Wrap ``model`` so every call adds its FLOPs to ``wrapper.flops`` (see module docstring).
 
@@ -473,8 +566,14 @@ def instrument(
     ``max_programs`` bounds the programs (situations and guard branches) captured per wrapper.
     ``rules`` as for :func:`fxflops.trace`: per-use FLOPs rules, for every capture of this wrapper (and
     its routing measurements), the global registry untouched.
+
+    ``measure``: a call whose capture fails inside a module (a loop over ``image_sizes``, a slice
+    bounded by tensor values, ``if mask.any():``) is counted by measuring that module's own code and
+    its ancestors' per call, each of their children that traces counted by its own symbolic program
+    (``fxflops/islands.py``; ``wrapper.measured`` names the modules and the lines). ``measure=False``
+    refuses such calls instead (counted as uncounted, with the reason).
     """
     return Instrumented(
         model, dims, segments, per_segment, strict_metadata, backward, on_miss, strict, max_programs, meter,
-        measure_routing, rules,
+        measure_routing, rules, measure,
     )

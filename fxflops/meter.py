@@ -75,11 +75,13 @@ class Meter:
             self.uncounted += 1
 
     def add(
-        self, program: Program, monomials: tuple[int, ...], training: bool = True, prefix: str = "", phase: str = "fwd"
+        self, program: Program, monomials: tuple[int, ...], training: bool = True, prefix: str = "", phase: str = "fwd",
+        call: bool = True,
     ) -> None:
         """Add one call's monomial vector for ``program`` (``training=False``: forward only, counted
         as ``phase``: one of :data:`FORWARD_KINDS`). ``prefix`` is the module path the program's root
-        ran at (a compiled graph of a submodule)."""
+        ran at (a compiled graph of a submodule). ``call=False``: a part of a call counted already
+        (a measured call's modules and its backward, ``fxflops/islands.py``)."""
         if phase not in FORWARD_KINDS:
             raise ValueError(f"phase must be one of {FORWARD_KINDS}, not {phase!r}")
         kind = TRAINING if training else phase
@@ -93,7 +95,7 @@ class Meter:
                 pending.append(monomials)  # folded by columns, see _fold
                 if len(pending) >= _FOLD_EVERY:
                     self._fold(key)
-            self.calls += 1
+            self.calls += call
 
     def _fold(self, key: tuple) -> None:
         """Add the pending calls of ``key`` to its sums, column by column (under the lock)."""

@@ -125,6 +125,7 @@ class Program:
         self.families = analysis.families
         self.experts = analysis.experts  # MoE expert modules (``analysis/moe.py``)
         self.reused = analysis.reused  # layers billed as repeats of a traced layer (capture/reuse.py)
+        self.measured: dict[str, str] = {}  # module -> why its own code is measured per call (fxflops/islands.py)
         self.backward = backward
         # ``backward="2x"`` (twice each forward term) is the convention of formula-based tools
         self.convention = FLOPCOUNTER.but(backward="2x") if backward == "2x" else FLOPCOUNTER

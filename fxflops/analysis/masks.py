@@ -44,7 +44,7 @@ from fxflops.capture.graph import op_name
 from fxflops.capture.inputs import Path
 
 _MASK_ARGUMENTS = ("attn_mask", "attn_bias")
-_CAUSAL_ARGUMENTS = ("is_causal", "causal")
+CAUSAL_ARGUMENTS = ("is_causal", "causal")
 
 
 def given_arguments(node: torch.fx.Node) -> dict[str, Any]:
@@ -58,7 +58,7 @@ def given_arguments(node: torch.fx.Node) -> dict[str, Any]:
 def is_causal(node: torch.fx.Node) -> bool:
     """True if an attention call says it is causal (``is_causal=True`` / varlen ``causal=True``)."""
     given = given_arguments(node)
-    return any(given.get(name) is True for name in _CAUSAL_ARGUMENTS)
+    return any(given.get(name) is True for name in CAUSAL_ARGUMENTS)
 
 
 def mask_argument(node: torch.fx.Node) -> torch.fx.Node | None:

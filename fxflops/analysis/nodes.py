@@ -332,5 +332,6 @@ class NodeRules:
             return
         raise CaptureError(
             f"the FLOPs of {node.target} in module {path or '<root>'!r} depend on data-dependent size(s) "
-            f"{sorted(map(str, unknown))} that no input shape or segment family gives"
+            f"{sorted(map(str, unknown))} that no input shape or segment family gives",
+            module=path,
         )

@@ -119,9 +119,10 @@ def trace_graph(
     held: list[tuple[Any, Path, Any]] = (),
     non_leaf: frozenset[int] = frozenset(),
     shapes: dict[int, torch.Size] | None = None,
+    roots: tuple[int, ...] | None = None,
 ) -> torch.fx.GraphModule:
     """``make_fx`` of ``model(*args, **kwargs)`` whose tensors are fakes of ``mode``; with
-    ``backward``, also of the backward from its loss or outputs (``_backward_roots``; ``capture/phases.py``).
+    ``backward``, also of the backward from its loss or outputs (``backward_roots``; ``capture/phases.py``).
     ``held`` are the tensors and integers held by argument objects, as (the object, the steps to the
     value below it, its fake or SymInt): graph inputs after the call's own tensors, put into the
     objects when the trace runs. ``non_leaf``: ids of input fakes standing for tensors that are not
@@ -136,6 +137,8 @@ def trace_graph(
     of the user's model, whose engine state a twin of it is not registered for; a model on the ``meta`` device (no
     weights) has its parameters faked on the call's device. Nodes carry ``nn_module_stack`` relative to ``model``;
     ``gm.meta["output_structure"]`` keeps the output's pytree spec and its non-tensor leaves.
+    ``roots``: the backward starts from these of the output's tensor leaves (by position) instead of
+    :func:`backward_roots` (a module inside a measured call: the outputs its caller differentiates).
     """
     leaves, tree = pytree.tree_flatten((args, kwargs))
     slots = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
@@ -162,7 +165,8 @@ def trace_graph(
         structure.extend([spec, [TENSOR if isinstance(x, torch.Tensor) else x for x in out_leaves]])
         outputs = [x for x in out_leaves if isinstance(x, torch.Tensor)]
         if backward:
-            return outputs + run_backward(_backward_roots(out, outputs), list(flat))
+            differentiated = backward_roots(out, outputs) if roots is None else [outputs[i] for i in roots]
+            return outputs + run_backward(differentiated, list(flat))
         return outputs
 
     run._orig_mod = model  # make_fx records nn_module_stack relative to this root
@@ -187,7 +191,8 @@ def trace_graph(
         module = "" if where is None else f" in module {where or '<root>'!r}"
         raise CaptureError(
             f"could not trace {type(model).__name__} symbolically{module} at {_model_line(exc)}: "
-            f"{type(exc).__name__}: {str(exc).splitlines()[0]}{hint}"
+            f"{type(exc).__name__}: {str(exc).splitlines()[0]}{hint}",
+            module=where,
         ) from exc
 
 
@@ -199,7 +204,7 @@ def _computing_device(tensor: torch.Tensor, leaves: list[Any]) -> torch.device:
     return next((leaf.device for leaf in leaves if isinstance(leaf, torch.Tensor) and leaf.device.type != "meta"), tensor.device)
 
 
-def _backward_roots(out: Any, outputs: list[torch.Tensor]) -> list[torch.Tensor]:
+def backward_roots(out: Any, outputs: list[torch.Tensor]) -> list[torch.Tensor]:
     """What training differentiates: the ``loss`` of an output that has one (a Hugging Face
     ``ModelOutput``, a dict), as ``out.loss.backward()`` does; else every floating-point output
     (``loss = sum of the outputs``). Other outputs of a model with a loss (LLaVA returns the vision

@@ -108,7 +108,7 @@ def _attaching(reads: Reads) -> Iterator[None]:
 def _trace_once(
     model: torch.nn.Module, call: tuple[tuple, dict], tensors: dict[Path, torch.Tensor], integers: dict[Path, int],
     specs: list[DimSpec], reusing: bool, backward: bool, adapter: Adapter, per_segment: dict[str, str], reads: Reads,
-    shapes: dict[int, torch.Size],
+    shapes: dict[int, torch.Size], roots: tuple[int, ...] | None,
 ) -> _Trace:
     """The call traced with ``specs`` free (and repeated layers reused when ``reusing``)."""
     env = BlamingShapeEnv()
@@ -125,7 +125,7 @@ def _trace_once(
             install_stand_ins(tree, per_segment, backward, ignored, shapes) as lifted:
         skip = set(lifted_paths(tree, per_segment))
         with reusing_repeated_layers(tree, skip, backward, reusing, ignored) as reuse:
-            gm = trace_graph(tree, mode, args, kwargs, backward, held, non_leaf, shapes)
+            gm = trace_graph(tree, mode, args, kwargs, backward, held, non_leaf, shapes, roots)
     return _Trace(gm, env, env_syms, fakes, symints, lifted, reuse)
 
 
@@ -159,6 +159,7 @@ def capture(
     per_segment: dict[str, str] | None = None,
     backward: bool = False,
     adapter: Adapter | None = None,
+    roots: tuple[int, ...] | None = None,
 ) -> Captured:
     """Trace ``model(*args, **kwargs)`` once with the ``dims`` as free symbols (see module doc).
 
@@ -170,7 +171,8 @@ def capture(
     ``backward`` captures the joint forward+backward graph (see ``capture/phases.py``).
     ``adapter`` (``capture/adapters.py``; the call is already prepared by it) names the dims when
     ``dims`` is ``None`` (pins allowed, as for automatic names), adds its per-segment modules and
-    holds its capture context.
+    holds its capture context. ``roots``: the output tensors (by position) the backward starts from,
+    when not the loss or every floating output (``capture/graph.py``).
     """
     kwargs = kwargs or {}
     adapter = adapter or Adapter()
@@ -191,7 +193,7 @@ def capture(
         with preserving_state(model, uncopied), _attaching(reads):
             trace, specs = _trace(
                 model, (own_args, own_kwargs), tensors, held_ints(named), specs, size_one,
-                backward=backward, adapter=adapter, per_segment=per_segment, reads=reads,
+                backward=backward, adapter=adapter, per_segment=per_segment, reads=reads, roots=roots,
                 shapes=compute_shapes(model),  # sharded parameters: what this rank computes with
             )
     pinned = check_free(trace.env, trace.env_syms, strict=dims is not None and not allow_pins)

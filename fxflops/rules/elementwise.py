@@ -41,20 +41,30 @@ MOVES_DATA = frozenset(
 )  # tagged pointwise by ATen, but they copy, cast or fill: no arithmetic
 
 
-def elementwise_flops(op: Any, node: torch.fx.Node, named: Any) -> sympy.Expr | None:
+def elementwise_cost(op: Any, out_shape: Any, first_shape: Any) -> Any | None:
     """Cost of a pointwise (1 per output element) or reduction (1 per input element) op without a
-    registered rule (0 for one that only moves data), or ``None`` for any other op."""
+    registered rule (0 for one that only moves data), or ``None`` for any other op. ``out_shape`` and
+    ``first_shape`` are the shapes of the output and of the first argument (``None`` where that is not
+    a tensor): traced (sympy) or concrete (ints, a measured call's ops: ``fxflops/islands.py``)."""
     if not isinstance(op, torch._ops.OpOverload):
         return None
     if op._schema.name.split("::")[-1] in MOVES_DATA:
-        return sympy.Integer(0)
+        return 0
     if torch.Tag.pointwise in op.tags:
-        out = node.meta.get("val")
-        return sympy.sympify(numel(named(d) for d in out.shape)) if isinstance(out, torch.Tensor) else sympy.Integer(0)
+        return numel(out_shape) if isinstance(out_shape, tuple) else 0
     if torch.Tag.reduction in op.tags:
-        first = node.args[0].meta.get("val") if node.args and isinstance(node.args[0], torch.fx.Node) else None
-        return sympy.sympify(numel(named(d) for d in first.shape)) if isinstance(first, torch.Tensor) else sympy.Integer(0)
+        return numel(first_shape) if isinstance(first_shape, tuple) else 0
     return None
+
+
+def elementwise_flops(op: Any, node: torch.fx.Node, named: Any) -> sympy.Expr | None:
+    """:func:`elementwise_cost` of a graph node, in the public symbols (``named``)."""
+    def shape(value: Any) -> tuple | None:
+        return tuple(named(d) for d in value.shape) if isinstance(value, torch.Tensor) else None
+
+    first = node.args[0].meta.get("val") if node.args and isinstance(node.args[0], torch.fx.Node) else None
+    cost = elementwise_cost(op, shape(node.meta.get("val")), shape(first))
+    return None if cost is None else sympy.sympify(cost)
 
 
 @register(aten.polar, kind="elementwise")

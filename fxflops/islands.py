@@ -1,0 +1,533 @@
+"""Measured islands: a call whose capture failed inside one module, counted exactly all the same.
+
+When the symbolic capture of a call fails in a module's own code (a loop over ``image_sizes``, a
+slice whose bounds are tensor values, ``if mask.any():``), :class:`~fxflops.errors.CaptureError`
+names that module (``CaptureError.module``). Only that module's *own* code cannot be traced: its
+children (a vision tower, a projector, the language model) usually can. So the call's situation is
+counted as a :class:`Spine`: the failing module and its ancestors are the *spine*, whose own ops
+(the code in their ``forward`` outside any child) are measured per call, and every child of a spine
+module that is not on the spine is counted as its own symbolic program, captured from the call it
+gets (an internal :class:`~fxflops.instrument.Instrumented` per child, meter shared, at the child's
+path). A child whose own capture fails inside joins the spine (its failing module and the modules
+between): the measured set is the smallest the captures allow.
+
+One measured call (:class:`MeasuredCall`), in the calling thread only:
+
+- the spine modules and their children are routed for the call (an instance-level ``_call_impl``
+  that dispatches on the thread, as ``generation.py`` routes ``generate``'s forwards; another thread
+  runs them unchanged; removed when the call returns or raises);
+- while a spine module's own code runs, :class:`OwnOps`, a dispatch mode, applies fxflops' rules to
+  each op's concrete shapes (the shapes of device tensors are host data in eager mode: no sync);
+  while a child runs the mode is popped, so the child's ops run at full speed;
+- a child is looked up (or captured) before it runs, then run on the call its adapter prepared;
+- with a backward to follow (training), which outputs of each child the loss reaches is read from
+  the autograd graph when the call returns (from the loss, or every floating output, as a capture
+  differentiates, through the spine's own autograd nodes, jumping across each child from its outputs
+  to its inputs): each child's program is the one whose traced backward starts from those outputs
+  (a child's unused outputs, such as the last layer of a tower whose second-to-last layer is read,
+  get no gradient); the spine's own autograd nodes on those paths get a pre- and post-hook that
+  measure their backward ops when the backward runs, added to the meter then.
+
+The measured values enter a :class:`~fxflops.program.Program` whose columns are one symbol per
+(module, phase, kind, causal) of measured work (:class:`MeasuredColumns`), so meters, conventions,
+breakdowns and distributed sums treat them as any other program; ``program.measured`` says which
+modules were measured and why (the refusal, with its line). A call is added only whole: if any part
+fails the call is not counted (``uncounted``, warned), never counted in part.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import sympy
+import torch
+import torch.utils._pytree as pytree
+from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack, _pop_mode, _push_mode
+
+from fxflops.analysis import Analysis
+from fxflops.analysis.masks import CAUSAL_ARGUMENTS
+from fxflops.analysis.paths import ancestors
+from fxflops.analysis.terms import Term, Unsupported
+from fxflops.binder import Binder
+from fxflops.capture.graph import backward_roots
+from fxflops.errors import CaptureError, FxFlopsError
+from fxflops.program import Program
+from fxflops.routing import dispatched_flops
+from fxflops.rules import entry_for, overlaid
+from fxflops.rules.elementwise import elementwise_cost
+from fxflops.rules.not_counted import is_not_counted, touches_floats
+from fxflops.rules.registry import shape_of
+
+if TYPE_CHECKING:
+    from fxflops.instrument import Instrumented
+
+_sequence_nr = torch._C._autograd._get_sequence_nr  # the autograd node counter of this thread
+
+Key = tuple[str, str, str, bool]  # (module, phase, kind, causal): one measured column (two when causal)
+
+
+def op_work(func: Any, args: tuple, kwargs: dict, out: Any) -> tuple[str, Any, Any, Any] | None:
+    """(kind, dense FLOPs, exact causal FLOPs or None, recomputed share or None) of one executed op,
+    from fxflops' rules on its concrete shapes, as the analysis counts a traced node
+    (``analysis/nodes.py``); ``("unsupported", 0, None, None)`` for a floating op without a rule;
+    None for an op that does no floating-point work."""
+    entry = entry_for(func)
+    if entry is None:
+        if not touches_floats([*args, *kwargs.values()], out):
+            return None
+        first = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        cost = elementwise_cost(func, shape_of(out) if isinstance(out, torch.Tensor) else None, shape_of(first))
+        if cost is not None:
+            return ("elementwise", cost, None, None) if cost else None
+        if isinstance(func, torch._ops.OpOverload) and not is_not_counted(func):
+            return "unsupported", 0, None, None
+        return None
+    if entry.segments:  # a varlen op's offsets are data: the binder's device sums, not measured here
+        raise CaptureError(f"{func} (varlen attention) in measured code is not counted")
+    if getattr(func, "overloadpacket", None) is torch.ops.aten._grouped_mm:
+        return entry.kind, dispatched_flops(func, args, kwargs, out), None, None
+    shapes, named, out_shape = shape_of(args), {k: shape_of(v) for k, v in kwargs.items()}, shape_of(out)
+    dense = entry.rule(*shapes, out_shape=out_shape, **named)
+    exact = entry.causal(*shapes, out_shape=out_shape, **named) if entry.causal is not None and _says_causal(func, args, kwargs) else None
+    share = entry.recomputed(*shapes, out_shape=out_shape, **named) if entry.recomputed is not None else None
+    return entry.kind, dense, exact, share
+
+
+def _says_causal(func: Any, args: tuple, kwargs: dict) -> bool:
+    schema = getattr(func, "_schema", None)
+    given = dict(zip((a.name for a in schema.arguments), args)) if schema is not None else {}
+    given |= kwargs
+    return any(given.get(name) is True for name in CAUSAL_ARGUMENTS)
+
+
+class Work:
+    """Measured work by :data:`Key`: ``dense`` and ``exact`` (causal) sums, and the unsupported ops."""
+
+    def __init__(self) -> None:
+        self.dense: dict[Key, Any] = defaultdict(int)
+        self.exact: dict[Key, Any] = defaultdict(int)
+        self.unsupported: set[tuple[str, str]] = set()
+
+    def add(self, module: str, phase: str, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+        work = op_work(func, args, kwargs, out)
+        if work is None:
+            return
+        kind, dense, exact, share = work
+        if kind == "unsupported":
+            self.unsupported.add((str(func), module))
+            return
+        parts = [(phase, dense, exact)]
+        if share is not None and phase == "bwd":  # a fused backward's recomputation of forward work
+            share = sympy.Rational(share)
+            again = (dense * share, None if exact is None else exact * share)
+            parts = [("bwd", dense - again[0], None if exact is None else exact - again[1]), ("recompute", *again)]
+        for ph, flops, causal in parts:
+            key = (module, ph, kind, causal is not None)
+            self.dense[key] += flops
+            if causal is not None:
+                self.exact[key] += causal
+
+    def __bool__(self) -> bool:
+        return bool(self.dense or self.unsupported)
+
+
+class OwnOps(TorchDispatchMode):
+    """Adds every op run while active to ``work`` under ``module()`` and ``phase``. The model's ops
+    run and raise as they would; a failure of the accounting is kept in ``error`` (the call is then
+    not counted), never raised into the model."""
+
+    def __init__(self, work: Work, module: Callable[[], str], phase: str, rules: Any, seen: dict[int, str] | None = None) -> None:
+        super().__init__()
+        self.work, self.module, self.phase, self.rules = work, module, phase, rules
+        self.seen = seen  # autograd sequence number -> the module whose op made that node (forward)
+        self.error: str | None = None
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self.error is None:
+            try:
+                module = self.module()
+                if self.seen is not None:  # the node this op made, if it made one (its number is taken first)
+                    self.seen.setdefault(_sequence_nr() - 1, module)
+                with overlaid(self.rules):
+                    self.work.add(module, self.phase, func, args, kwargs, out)
+            except Exception as exc:  # noqa: BLE001 - telemetry never breaks the model
+                self.error = f"{func}: {type(exc).__name__}: {exc}"
+        return out
+
+
+class Spine:
+    """Where a situation's calls are measured: ``paths``, the modules whose own code is measured
+    (each failing module and its ancestors), and ``reasons``, the refusal of each failing module's
+    capture (its line). Extended when a child's capture fails inside it."""
+
+    def __init__(self, failing: str, reason: str) -> None:
+        self.paths: set[str] = set()
+        self.reasons: dict[str, str] = {}
+        self.columns = MeasuredColumns()
+        self.add(failing, reason)
+
+    def add(self, failing: str, reason: str) -> None:
+        self.paths.update(ancestors(failing))
+        self.reasons[failing] = reason
+
+
+class MeasuredColumns:
+    """The measured :class:`Program` of a spine: a symbol per :data:`Key` measured so far (and one
+    for the exact count of causal keys). A call that measures a new key makes a new version (the
+    Meter keeps each version's sums: breakdowns add them up)."""
+
+    def __init__(self) -> None:
+        self.symbols: dict[Key, tuple[sympy.Symbol, sympy.Symbol | None]] = {}
+        self.unsupported: set[tuple[str, str]] = set()
+        self.program: Program | None = None
+        self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state.pop("_lock")
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+    def monomials(self, work: Work, model: torch.nn.Module, spine: Spine, backward: str) -> tuple[Program, tuple]:
+        """The program holding every key of ``work`` and ``work``'s monomial vector for it."""
+        with self._lock:
+            if self.program is None or any(k not in self.symbols for k in work.dense) or work.unsupported - self.unsupported:
+                for key in work.dense:
+                    if key not in self.symbols:
+                        i = len(self.symbols)
+                        exact = sympy.Symbol(f"measured_{i}_exact", integer=True, nonnegative=True) if key[3] else None
+                        self.symbols[key] = (sympy.Symbol(f"measured_{i}", integer=True, nonnegative=True), exact)
+                self.unsupported |= work.unsupported
+                self.program = self._program(model, spine, backward)
+            program = self.program
+        values = {}
+        for key, (dense, exact) in self.symbols.items():
+            values[dense] = work.dense.get(key, 0)
+            if exact is not None:
+                values[exact] = work.exact.get(key, 0)
+        return program, program.monomials(*(_whole(values[s]) for s in program.all_symbols))
+
+    def _program(self, model: torch.nn.Module, spine: Spine, backward: str) -> Program:
+        terms = [
+            Term(f"measured_{i}", "measured", module, phase, dense, kind, exact)
+            for i, ((module, phase, kind, _), (dense, exact)) in enumerate(self.symbols.items())
+        ]
+        symbols = tuple(sorted((s for pair in self.symbols.values() for s in pair if s is not None), key=str))
+        unsupported = [Unsupported("measured", op, module) for op, module in sorted(self.unsupported)]
+        notes = [f"{path or '<root>'}: measured per call ({reason})" for path, reason in spine.reasons.items()]
+        analysis = Analysis(terms, unsupported, notes, [], {}, {}, (), {}, {})
+        program = Program(analysis, Binder(model.forward, {}, symbols), symbols, [], spine.paths, backward=backward)
+        program.measured = dict(spine.reasons)
+        return program
+
+
+def _whole(value: Any) -> Any:
+    """A measured sum as the Meter accumulates it: an int (rational shares of a fused backward are
+    whole numbers summed), or a 0-d tensor from device offsets."""
+    return int(value) if isinstance(value, (int, sympy.Basic)) else value
+
+
+@dataclass
+class _ChildCall:
+    """One call of a child counted by its own program: the call, its output leaves and inputs, and the
+    autograd sequence numbers its nodes got."""
+
+    path: str
+    counter: Instrumented
+    args: tuple
+    kwargs: dict
+    outputs: list[torch.Tensor]
+    inputs: list[torch.Tensor]
+    first: int
+    end: int
+    defaults: set[int]  # the outputs a capture differentiates by default (that require grad)
+
+
+@dataclass
+class _Routed:
+    """Instance-level ``_call_impl`` routes installed on one module while measured calls run."""
+
+    method: Callable[..., Any]
+    users: int = 0
+
+
+_ROUTES: dict[int, _Routed] = {}  # id(module) -> its route
+_ROUTES_LOCK = threading.Lock()
+_CALLS: dict[int, MeasuredCall] = {}  # thread -> the measured call it runs
+
+
+def _install(module: torch.nn.Module) -> None:
+    with _ROUTES_LOCK:
+        routed = _ROUTES.get(id(module))
+        if routed is None:
+            original = vars(module).get("_call_impl") or type(module)._call_impl.__get__(module)
+
+            def call(*args: Any, **kwargs: Any) -> Any:
+                run = _CALLS.get(threading.get_ident())
+                if run is None or run.closed:
+                    return original(*args, **kwargs)
+                return run.enter(module, original, args, kwargs)
+
+            call.fxflops_own = True  # not the model's (call situations, capture twins)
+            call.fxflops_wraps = original
+            routed = _ROUTES[id(module)] = _Routed(call)
+            vars(module)["_call_impl"] = call
+        routed.users += 1
+
+
+def _uninstall(module: torch.nn.Module) -> None:
+    with _ROUTES_LOCK:
+        routed = _ROUTES[id(module)]
+        routed.users -= 1
+        if not routed.users:
+            del _ROUTES[id(module)]
+            if vars(module).get("_call_impl") is routed.method:
+                del vars(module)["_call_impl"]
+
+
+class MeasuredCall:
+    """One call of a :class:`Spine` situation of ``owner`` (see the module docstring): ``run``
+    runs it, then ``counted`` adds it to the meter whole, or raises when a part could not be counted."""
+
+    def __init__(self, owner: Instrumented, spine: Spine, training: bool) -> None:
+        self.owner, self.spine, self.training = owner, spine, training
+        self.model = owner.traced
+        self.paths = {id(m): p for p, m in self.model.named_modules()}
+        self.modules = {p: m for p, m in self.model.named_modules()}
+        self.stack = [""]  # spine modules whose own code runs, innermost last
+        self.work = Work()
+        self.seen: dict[int, str] = {}  # sequence number -> own module (for the backward's attribution)
+        self.mode = OwnOps(self.work, lambda: self.stack[-1], "fwd", owner.rules, self.seen if training else None)
+        self.children: list[_ChildCall] = []
+        self.routed: list[torch.nn.Module] = []
+        self.child_running = False
+        self.closed = False
+        self.error: str | None = None
+
+    # ---- running -------------------------------------------------------------------------
+    def run(self, forward: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        """``forward(*args, **kwargs)`` (the model's call), measured; the model's own exceptions
+        propagate, fxflops' are kept for :meth:`counted`."""
+        me = threading.get_ident()
+        outer = _CALLS.get(me)
+        self.first = _sequence_nr()
+        try:
+            self._route(self.spine.paths)
+            _CALLS[me] = self
+            _push_mode(self.mode)
+            return forward(*args, **kwargs)
+        finally:
+            self.end = _sequence_nr()
+            self.closed = True
+            self._remove_mode()
+            if outer is None:
+                _CALLS.pop(me, None)
+            else:
+                _CALLS[me] = outer
+            for module in self.routed:
+                _uninstall(module)
+
+    def _route(self, spine_paths: set[str] | list[str]) -> None:
+        """Route the spine modules among ``spine_paths`` (but the root) and their children."""
+        for path in sorted(spine_paths):
+            module = self.modules.get(path)
+            if module is None:
+                continue
+            targets = [module] if path else []
+            targets += [m for name, m in module.named_children() if m is not None]
+            for target in targets:
+                if target not in self.routed:
+                    _install(target)
+                    self.routed.append(target)
+
+    def _remove_mode(self) -> None:
+        """Take the mode off this thread's stack wherever it is (a model that entered a mode of its own
+        and left it open is not this call's concern)."""
+        stack = _get_current_dispatch_mode_stack()
+        if self.mode not in stack:
+            return
+        above = []
+        while True:
+            top = _pop_mode()
+            if top is self.mode:
+                break
+            above.append(top)
+        for mode in reversed(above):
+            _push_mode(mode)
+
+    def enter(self, module: torch.nn.Module, original: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        """A routed module called in this thread during the call."""
+        path = self.paths.get(id(module))
+        if self.child_running or path is None:  # a child calling a routed module: part of the child
+            return original(*args, **kwargs)
+        if path in self.spine.paths:
+            self.stack.append(path)
+            try:
+                return original(*args, **kwargs)
+            finally:
+                self.stack.pop()
+        return self._child(module, path, original, args, kwargs)
+
+    def _child(self, module: torch.nn.Module, path: str, original: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        """A child of a spine module: looked up (or captured) with the mode popped, then run unmeasured."""
+        suspended = self._suspend()
+        counter = None
+        try:
+            counter = self.owner.child_counter(path, module)
+            args, kwargs = counter._prepare(args, kwargs)
+            counter._program_for(args, kwargs)  # a capture that fails inside the child makes it a spine module
+        except CaptureError as exc:
+            if exc.module is not None and self.owner.measure:
+                self.spine.add(_joined(path, exc.module), f"{path}: {exc}")
+                self._route([p for p in self.spine.paths if p.startswith(path)])
+                self._resume(suspended)
+                return self.enter(module, original, args, kwargs)
+            self.error = self.error or f"{path}: {exc}"
+        except Exception as exc:  # noqa: BLE001 - counted as not counted, the model runs
+            self.error = self.error or f"{path}: {type(exc).__name__}: {exc}"
+        first = _sequence_nr()
+        self.child_running = True
+        try:
+            out = original(*args, **kwargs)
+        finally:
+            self.child_running = False
+            self._resume(suspended)
+        if counter is not None:
+            outputs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+            inputs = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+            roots = {id(t) for t in backward_roots(out, outputs)}
+            defaults = {i for i, t in enumerate(outputs) if id(t) in roots and t.requires_grad}
+            self.children.append(_ChildCall(path, counter, args, kwargs, outputs, inputs, first, _sequence_nr(), defaults))
+        return out
+
+    def _suspend(self) -> bool:
+        """Pop the mode if it is on top of the stack (True); a mode the model entered above it keeps it
+        (the call cannot be measured: its children would run measured)."""
+        stack = _get_current_dispatch_mode_stack()
+        if stack and stack[-1] is self.mode:
+            _pop_mode()
+            return True
+        self.error = self.error or "a dispatch mode the model entered is above the measuring one"
+        return False
+
+    def _resume(self, suspended: bool) -> None:
+        if suspended:
+            _push_mode(self.mode)
+
+    # ---- counting ------------------------------------------------------------------------
+    def counted(self, out: Any, training: bool, phase: str = "fwd") -> None:
+        """Add the call to the owner's meter (every part, or nothing: raises naming the failed part);
+        ``training``: a backward follows (else the forward counts as ``phase``)."""
+        if self.error is None and self.mode.error is not None:
+            self.error = self.mode.error
+        if self.error is not None:
+            raise FxFlopsError(f"{type(self.model).__name__}: measured call not counted: {self.error}")
+        reached = self._reached(out) if training else {}
+        parts = []
+        for child in self.children:
+            roots = _roots(child, reached.get(id(child), set())) if training else None
+            program, values = child.counter._program_for(child.args, child.kwargs, roots)
+            parts.append((program, child.counter._monomials(program, values), child.path))
+        columns = self.spine.columns
+        program, monomials = columns.monomials(self.work, self.model, self.spine, self.owner.backward)
+        meter = self.owner.flops
+        meter.add(program, monomials, training, phase=phase)
+        for child_program, child_monomials, path in parts:
+            meter.add(child_program, child_monomials, training, prefix=path, phase=phase, call=False)
+        if training and self.owner.backward == "traced":
+            for node in self.own_nodes:
+                _measure_backward(node, self, self.seen.get(node._sequence_nr(), max(self.spine.paths, key=len)))
+
+    def _reached(self, out: Any) -> dict[int, set[int]]:
+        """Which output leaves of each child the backward from the loss (or every floating output)
+        reaches: a walk of the autograd graph over this call's own nodes, jumping across each child
+        from its outputs to its inputs. Also collects those own nodes (``own_nodes``)."""
+        leaves = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        outputs_at: dict[tuple[Any, int], list[tuple[_ChildCall, int]]] = defaultdict(list)
+        for child in self.children:
+            for i, tensor in enumerate(child.outputs):
+                if tensor.grad_fn is not None:
+                    outputs_at[(tensor.grad_fn, tensor.output_nr)].append((child, i))
+        reached: dict[int, set[int]] = defaultdict(set)
+        crossed: set[int] = set()
+        visited: set[Any] = set()
+        self.own_nodes: list[Any] = []
+        frontier = [(t.grad_fn, t.output_nr) for t in backward_roots(out, leaves) if t.grad_fn is not None]
+        while frontier:
+            node, output = frontier.pop()
+            hits = outputs_at.get((node, output), ())
+            for child, i in hits:
+                reached[id(child)].add(i)
+                if id(child) not in crossed:
+                    crossed.add(id(child))
+                    frontier += [(t.grad_fn, t.output_nr) for t in child.inputs if t.grad_fn is not None]
+            if node in visited or not self._own(node):
+                continue
+            visited.add(node)
+            self.own_nodes.append(node)
+            frontier += [(n, i) for n, i in node.next_functions if n is not None]
+        return reached
+
+    def _own(self, node: Any) -> bool:
+        """A node this call's own code made: its sequence number is the call's, and no child's."""
+        number = node._sequence_nr()
+        if not self.first <= number < self.end:
+            return False
+        return not any(child.first <= number < child.end for child in self.children)
+
+
+def _roots(child: _ChildCall, reached: set[int]) -> tuple[int, ...] | None:
+    """The output leaves a child's traced backward starts from: None (the capture's default, the
+    loss or every floating output) when those are the ones the call's backward reaches."""
+    return None if reached == child.defaults else tuple(sorted(reached))
+
+
+def _joined(prefix: str, path: str) -> str:
+    return ".".join(p for p in (prefix, path) if p)
+
+
+def _measure_backward(node: Any, call: MeasuredCall, module: str) -> None:
+    """Measure ``node``'s backward ops when the backward runs it (pushed in its pre-hook, popped in its
+    post-hook, in the thread that runs it), and add them to the meter as the call's backward."""
+    work = Work()
+    mode = OwnOps(work, lambda: module, "bwd", call.owner.rules)
+
+    def before(grad_outputs: Any) -> None:
+        _push_mode(mode)
+
+    def after(grad_inputs: Any, grad_outputs: Any) -> None:
+        stack = _get_current_dispatch_mode_stack()
+        if stack and stack[-1] is mode:
+            _pop_mode()
+        if not work:
+            return
+        try:
+            if mode.error is not None:
+                raise FxFlopsError(mode.error)
+            program, monomials = call.spine.columns.monomials(work, call.model, call.spine, call.owner.backward)
+            call.owner.flops.add(program, monomials, True, call=False)
+        except Exception as exc:  # noqa: BLE001 - a backward is never broken by telemetry
+            call.owner._warn_once(f"the measured backward of {module or '<root>'} is not counted: {exc}")
+
+    node.register_prehook(before)
+    node.register_hook(after)
+
+
+def measured_paths(spines: Iterator[Spine]) -> dict[str, str]:
+    """Failing module -> why it is measured, over ``spines``."""
+    found: dict[str, str] = {}
+    for spine in spines:
+        found.update(spine.reasons)
+    return found
+
+
+__all__ = ["MeasuredCall", "MeasuredColumns", "OwnOps", "Spine", "Work", "measured_paths", "op_work"]
