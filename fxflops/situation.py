@@ -82,9 +82,12 @@ _MODE_NAMES = ("grad mode", "inference mode", "autocast", "flash SDPA", "memory-
 
 
 def describe_difference(traced: tuple, now: tuple) -> str:
-    """What differs between two situations ``(call key, mode key)``, in words."""
-    call_a, mode_a = traced
-    call_b, mode_b = now
+    """What differs between two situations ``(call key, mode key)``, in words; a measured call's
+    child adds the output leaves its backward starts from (``fxflops/islands.py``)."""
+    call_a, mode_a, *roots_a = traced
+    call_b, mode_b, *roots_b = now
+    if roots_a != roots_b:
+        return f"the backward starts from output leaves {roots_b or 'by default'}, the program was traced from {roots_a or 'the default'}"
     for name, a, b in zip(_MODE_NAMES, mode_a, mode_b):
         if a != b:
             return f"{name} is {_shown(b)}, the program was traced with {_shown(a)}"

@@ -178,7 +178,11 @@ def trace_graph(
             )(*(leaves[i] for i in slots), *(fake for _, _, fake in held), *fake_state)
         gm.meta["output_structure"] = tuple(structure)  # (pytree spec, leaves with TENSOR for tensors)
         return gm
-    except (CaptureError, LayerCalledTwice):
+    except CaptureError as exc:  # fxflops' own refusal inside the model's code: where it ran
+        if exc.module is None:
+            exc.module = _running_module(exc, model)
+        raise
+    except LayerCalledTwice:
         raise
     except Exception as exc:  # make_fx raises many types; name the model and the line
         hint, where = "", _running_module(exc, model)
