@@ -196,6 +196,7 @@ class Instrumented(torch.nn.Module):
         return state
 
     def __setstate__(self, state: dict) -> None:
+        state = {"measure": True, "prefix": "", "_children": {}, **state}  # saved before measured islands
         self.__dict__.update(state)
         self._init_runtime()
 

@@ -301,8 +301,7 @@ class MeasuredCall:
     def __init__(self, owner: Instrumented, spine: Spine, training: bool) -> None:
         self.owner, self.spine, self.training = owner, spine, training
         self.model = owner.traced
-        self.paths = {id(m): p for p, m in self.model.named_modules()}
-        self.modules = {p: m for p, m in self.model.named_modules()}
+        self.paths: dict[int, str] = {}  # routed modules -> their paths (the spine modules and their children)
         self.stack = [""]  # spine modules whose own code runs, innermost last
         self.work = Work()
         self.seen: dict[int, str] = {}  # sequence number -> own module (for the backward's attribution)
@@ -339,30 +338,20 @@ class MeasuredCall:
     def _route(self, spine_paths: set[str] | list[str]) -> None:
         """Route the spine modules among ``spine_paths`` (but the root) and their children."""
         for path in sorted(spine_paths):
-            module = self.modules.get(path)
-            if module is None:
+            try:
+                module = self.model.get_submodule(path)
+            except AttributeError:
                 continue
-            targets = [module] if path else []
-            targets += [m for name, m in module.named_children() if m is not None]
-            for target in targets:
-                if target not in self.routed:
+            targets = [(path, module)] if path else []
+            targets += [(_joined(path, name), m) for name, m in module.named_children() if m is not None]
+            for target_path, target in targets:
+                self.paths.setdefault(id(target), target_path)
+                if all(target is not routed for routed in self.routed):
                     _install(target)
                     self.routed.append(target)
 
     def _remove_mode(self) -> None:
-        """Take the mode off this thread's stack wherever it is (a model that entered a mode of its own
-        and left it open is not this call's concern)."""
-        stack = _get_current_dispatch_mode_stack()
-        if self.mode not in stack:
-            return
-        above = []
-        while True:
-            top = _pop_mode()
-            if top is self.mode:
-                break
-            above.append(top)
-        for mode in reversed(above):
-            _push_mode(mode)
+        _remove_modes(lambda mode: mode is self.mode)
 
     def enter(self, module: torch.nn.Module, original: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         """A routed module called in this thread during the call."""
@@ -491,6 +480,18 @@ def _roots(child: _ChildCall, reached: set[int]) -> tuple[int, ...] | None:
     return None if reached == child.defaults else tuple(sorted(reached))
 
 
+def _remove_modes(which: Callable[[Any], bool]) -> None:
+    """Take the modes ``which`` selects off this thread's dispatch mode stack, wherever they are (the
+    others, a model's own modes included, stay in their order)."""
+    stack = _get_current_dispatch_mode_stack()
+    if not any(which(mode) for mode in stack):
+        return
+    popped = [_pop_mode() for _ in stack]  # top first
+    for mode in reversed(popped):
+        if not which(mode):
+            _push_mode(mode)
+
+
 def _joined(prefix: str, path: str) -> str:
     return ".".join(p for p in (prefix, path) if p)
 
@@ -502,12 +503,10 @@ def _measure_backward(node: Any, call: MeasuredCall, module: str) -> None:
     mode = OwnOps(work, lambda: module, "bwd", call.owner.rules)
 
     def before(grad_outputs: Any) -> None:
-        _push_mode(mode)
+        _push_mode(mode)  # the engine restores the thread's modes after each node, also when it raises
 
     def after(grad_inputs: Any, grad_outputs: Any) -> None:
-        stack = _get_current_dispatch_mode_stack()
-        if stack and stack[-1] is mode:
-            _pop_mode()
+        _remove_modes(lambda m: m is mode)
         if not work:
             return
         try:

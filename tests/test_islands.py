@@ -1,0 +1,303 @@
+"""Measured islands (``fxflops/islands.py``): a call whose capture fails inside a module is counted by
+measuring the own code of that module and its ancestors, its other modules by their own symbolic
+programs. Reference: FlopCounterMode on the same model and call (matrix products only; no attention
+here, so its CPU-SDPA bug does not arise), or a symbolic trace of the same arithmetic without the
+data-dependent line (for the elementwise convention FlopCounterMode has no counterpart of).
+"""
+
+from __future__ import annotations
+
+import copy
+import pickle
+import threading
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+from torch.utils.flop_counter import FlopCounterMode
+
+import fxflops
+from fxflops.analysis.paths import ancestors
+from fxflops.conventions import FLOPCOUNTER
+from fxflops.errors import CaptureError
+
+D = 8
+WHERE = ("root", "mid", "mid.leaf")  # the module whose own forward holds the data-dependent line
+ALL = FLOPCOUNTER.but(count="all")
+
+
+def kept(x: torch.Tensor, fixed: int | None) -> int:
+    """Rows to keep: read from the values (a data-dependent size), or ``fixed``."""
+    return int((x[:, 0] > 0).sum()) + 1 if fixed is None else fixed
+
+
+class Leaf(nn.Module):
+    def __init__(self, data_dependent: bool, fixed: int | None) -> None:
+        super().__init__()
+        self.data_dependent, self.fixed = data_dependent, fixed
+        self.w = nn.Parameter(torch.randn(D, D))
+        self.inner = nn.Linear(D, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.data_dependent:
+            x = x[: kept(x, self.fixed)]
+        return self.inner(torch.tanh(x @ self.w))
+
+
+class Mid(nn.Module):
+    def __init__(self, where: str, fixed: int | None) -> None:
+        super().__init__()
+        self.data_dependent, self.fixed = where == "mid", fixed
+        self.a = nn.Linear(D, D)
+        self.leaf = Leaf(where == "mid.leaf", fixed)
+        self.b = nn.Linear(D, D)
+        self.w = nn.Parameter(torch.randn(D, D))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.a(x)
+        if self.data_dependent:
+            x = (x[: kept(x, self.fixed)] @ self.w).relu()
+        return self.b(self.leaf(x))
+
+
+class Root(nn.Module):
+    """embed -> mid (a -> leaf -> b) -> head; the data-dependent line in one of root, mid, mid.leaf."""
+
+    def __init__(self, where: str, fixed: int | None = None) -> None:
+        super().__init__()
+        self.where, self.fixed = where, fixed
+        self.embed = nn.Linear(D, D)
+        self.mid = Mid(where, fixed)
+        self.head = nn.Linear(D, 3)
+        self.w = nn.Parameter(torch.randn(D, D))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        if self.where == "root":
+            h = (h[: kept(h, self.fixed)] @ self.w) * 0.5
+        return self.head(self.mid(h))
+
+
+def model(where: str, fixed: int | None = None) -> Root:
+    torch.manual_seed(0)
+    return Root(where, fixed)
+
+
+def flop_counter(module: nn.Module, x: torch.Tensor, backward: bool) -> tuple[int, dict[str, int]]:
+    """FlopCounterMode's total and forward per-module counts (paths relative to the root)."""
+    with FlopCounterMode(display=False) as counter:
+        out = module(x)
+        if backward:
+            out.sum().backward()
+    per_module = {}
+    for name, ops in counter.get_flop_counts().items():
+        if name != "Global":
+            per_module["" if name == "Root" else name[len("Root.") :]] = sum(ops.values())
+    return counter.get_total_flops(), per_module
+
+
+def calls(count: int = 5) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    return [torch.randn(4 + 3 * i, D, generator=generator) for i in range(count)]
+
+
+@pytest.mark.parametrize("training", [False, True], ids=["forward", "training"])
+@pytest.mark.parametrize("where", WHERE)
+def test_a_data_dependent_line_is_measured_in_the_smallest_set(where, training):
+    """The failing module and its ancestors are measured (no other module), every call of any size
+    counts exactly, forward per module too, and the other modules keep their first programs."""
+    net = model(where)
+    wrapper = fxflops.instrument(net, backward=training, strict=True)
+    failing = "" if where == "root" else where
+    for i, x in enumerate(calls()):
+        wrapper.flops.reset()
+        net.zero_grad()
+        if training:
+            wrapper(x).sum().backward()
+        else:
+            with torch.no_grad():
+                wrapper(x)
+        total, per_module = flop_counter(net, x, training)
+        assert wrapper.flops.total() == total > 0, (where, i)
+        if not training:
+            got = wrapper.flops.breakdown()
+            assert {p: got.get(p, 0) for p in per_module} == per_module, (where, i)
+        else:
+            forward, _ = flop_counter(net, x, False)
+            assert wrapper.flops.total(phase="fwd") == forward, (where, i)
+        if i == 0:
+            captures = sum(child.captures for child in wrapper._children.values())
+    assert list(wrapper.measured) == [failing]
+    assert "test_islands.py" in wrapper.measured[failing]  # the refusal names the line
+    spine = next(r.spine for b in wrapper._branches.values() for r in b.refusals if r.spine is not None)
+    assert spine.paths == set(ancestors(failing))
+    assert sum(child.captures for child in wrapper._children.values()) == captures  # symbolic: one program each
+    assert wrapper.flops.uncounted == 0
+
+
+def test_measure_false_keeps_the_refusal():
+    net = model("mid.leaf")
+    wrapper = fxflops.instrument(net, measure=False)
+    with pytest.warns(UserWarning, match=r"could not trace Root symbolically in module 'mid.leaf'"):
+        with torch.no_grad():
+            wrapper(calls(1)[0])
+    assert wrapper.flops.uncounted == 1 and wrapper.flops.total() == 0 and not wrapper.measured
+    with pytest.raises(CaptureError) as raised:
+        fxflops.instrument(net, measure=False, strict=True)(calls(1)[0])
+    assert raised.value.module == "mid.leaf"
+
+
+def test_the_elementwise_convention_counts_measured_ops_as_a_trace_does():
+    """Under ``count="all"`` the measured own ops (tanh, relu, the scale) count as the analysis counts
+    traced ones: equal to the symbolic program of the same model with the rows to keep fixed, plus
+    the comparison ``x[:, 0] > 0`` that reads them (1 per compared element: the pointwise cost)."""
+    for where in WHERE:
+        x = calls(1)[0]
+        with torch.no_grad():
+            rows = kept(model(where).embed(x) if where == "root" else model(where).mid.a(model(where).embed(x)), None)
+        wrapper = fxflops.instrument(model(where), strict=True)
+        with torch.no_grad():
+            wrapper(x)
+        fixed = fxflops.trace(model(where, fixed=rows), (x,))
+        compared = x.shape[0]  # the rows the data-dependent line compares (every module keeps the rows)
+        assert wrapper.flops.total(convention=ALL) == fixed.total(convention=ALL, **_sizes(fixed, x)) + compared, where
+        assert wrapper.flops.total(convention=ALL) > wrapper.flops.total()
+
+
+def _sizes(program, x: torch.Tensor) -> dict[str, int]:
+    return dict(zip(map(str, program.all_symbols), program.binder.values((x,), {})))
+
+
+def test_a_measured_call_leaves_the_model_and_the_thread_as_they_were():
+    """No route, no mode, no attribute is left on the model after measured calls; while one runs,
+    another thread calling the same model runs it plainly (same output, nothing counted)."""
+    net = model("mid")
+    before = {name: dict(vars(m)) for name, m in net.named_modules()}
+    wrapper = fxflops.instrument(net, strict=True)
+    x = calls(1)[0]
+    with torch.no_grad():
+        expected = net(x)
+    seen = []
+
+    def other_thread() -> None:
+        with torch.no_grad():
+            seen.append(torch.equal(net(x), expected))
+
+    original = Leaf.forward
+
+    caller = threading.get_ident()
+
+    def leaf_forward(self, inner):  # inside the measured call, another thread uses the model meanwhile
+        if threading.get_ident() == caller:
+            thread = threading.Thread(target=other_thread)
+            thread.start()
+            thread.join(timeout=60)
+        return original(self, inner)
+
+    Leaf.forward = leaf_forward
+    try:
+        with torch.no_grad():
+            for _ in range(2):
+                assert torch.equal(wrapper(x), expected)
+    finally:
+        Leaf.forward = original
+    assert len(seen) >= 2 and all(seen)  # (the capture of the first call runs the code too)
+    assert wrapper.flops.calls == 2 and wrapper.flops.uncounted == 0
+    after = {name: dict(vars(m)) for name, m in net.named_modules()}
+    assert after.keys() == before.keys()
+    for name in before:
+        assert set(after[name]) == set(before[name]), name
+    assert not _get_current_dispatch_mode_stack()
+
+
+def test_two_threads_measure_their_calls_at_once():
+    """Two threads in measured calls of one wrapper at the same moment (a barrier inside the
+    measured code): each call counted exactly, the sum too."""
+    net = model("root")
+    wrapper = fxflops.instrument(net, strict=True)
+    xs = calls(3)
+    with torch.no_grad():
+        wrapper(xs[0])  # the capture (and its refusal) happen before the threads
+    wrapper.flops.reset()
+    barrier = threading.Barrier(2, timeout=30)
+    original = Mid.forward
+
+    def mid_forward(self, h):
+        barrier.wait()
+        return original(self, h)
+
+    errors = []
+
+    def run(x: torch.Tensor) -> None:
+        try:
+            with torch.no_grad():
+                wrapper(x)
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    Mid.forward = mid_forward
+    try:
+        threads = [threading.Thread(target=run, args=(x,)) for x in xs[1:]]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=60)
+    finally:
+        Mid.forward = original
+    assert not errors
+    assert wrapper.flops.total() == sum(flop_counter(net, x, False)[0] for x in xs[1:])
+    assert wrapper.flops.calls == 2
+
+
+def test_an_exception_in_measured_code_propagates_and_leaves_nothing_behind():
+    net = model("mid")
+    wrapper = fxflops.instrument(net, strict=True)
+    x = calls(1)[0]
+    with torch.no_grad():
+        wrapper(x)
+    wrapper.flops.reset()
+    with pytest.raises(RuntimeError, match="size mismatch|shapes cannot be multiplied"):
+        with torch.no_grad():
+            wrapper(torch.randn(4, D + 1))
+    assert not _get_current_dispatch_mode_stack()
+    assert all("_call_impl" not in vars(m) for m in net.modules())
+    assert wrapper.flops.total() == 0
+    with torch.no_grad():
+        wrapper(x)
+    assert wrapper.flops.total() == flop_counter(net, x, False)[0]
+
+
+def test_a_measured_wrapper_saved_and_loaded_counts_on():
+    net = model("mid.leaf")
+    wrapper = fxflops.instrument(net, backward=True, strict=True)
+    xs = calls(3)
+    wrapper(xs[0]).sum().backward()
+    loaded = pickle.loads(pickle.dumps(wrapper))
+    loaded.flops.reset()
+    loaded(xs[1]).sum().backward()
+    assert loaded.flops.total() == flop_counter(loaded.model, xs[1], True)[0]
+    assert list(loaded.measured) == ["mid.leaf"]
+    copied = copy.deepcopy(wrapper)
+    copied.flops.reset()
+    with torch.no_grad():
+        copied(xs[2])
+    assert copied.flops.total() == flop_counter(copied.model, xs[2], False)[0]
+
+
+def test_a_failing_part_makes_the_call_uncounted_not_partly_counted():
+    """A child that can be neither traced nor measured (its capture fails where no module is named):
+    the call is uncounted, with the reason, and nothing of it is added."""
+    net = model("root")
+    wrapper = fxflops.instrument(net)
+    with torch.no_grad():
+        wrapper(calls(1)[0])
+    wrapper.flops.reset()
+    wrapper._children["head"].max_programs = 0  # the head's next situation cannot get a program
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with torch.enable_grad():
+            wrapper(calls(1)[0].requires_grad_())
+    assert wrapper.flops.uncounted == 1 and wrapper.flops.total() == 0 and wrapper.flops.calls == 0
+    assert any("measured call not counted: head" in str(w.message) for w in caught)
