@@ -54,6 +54,7 @@ from fxflops.analysis.paths import ancestors
 from fxflops.analysis.terms import Term, Unsupported
 from fxflops.binder import Binder
 from fxflops.capture.graph import backward_roots
+from fxflops.capture.isolation import isolated_call
 from fxflops.errors import CaptureError, FxFlopsError
 from fxflops.program import Program
 from fxflops.routing import dispatched_flops
@@ -243,8 +244,8 @@ class _ChildCall:
 
     path: str
     counter: Instrumented
-    args: tuple
-    kwargs: dict
+    found: tuple  # (program, symbol values) of the call as the child got it (before it could change its arguments)
+    snapshot: tuple | None  # (args, kwargs) copied before the call (opaque objects: a cache it fills), for training
     outputs: list[torch.Tensor]
     inputs: list[torch.Tensor]
     first: int
@@ -369,11 +370,14 @@ class MeasuredCall:
     def _child(self, module: torch.nn.Module, path: str, original: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
         """A child of a spine module: looked up (or captured) with the mode popped, then run unmeasured."""
         suspended = self._suspend()
-        counter = None
+        counter = found = snapshot = None
         try:
             counter = self.owner.child_counter(path, module)
             args, kwargs = counter._prepare(args, kwargs)
-            counter._program_for(args, kwargs)  # a capture that fails inside the child makes it a spine module
+            # before the child runs: it may fill an argument object (a key-value cache); a capture
+            # that fails inside the child makes it a spine module
+            found = counter._program_for(args, kwargs)
+            snapshot = isolated_call(args, kwargs)[:2] if self.training else None
         except CaptureError as exc:
             if exc.module is not None and self.owner.measure:
                 self.spine.add(_joined(path, exc.module), f"{path}: {exc}")
@@ -390,12 +394,12 @@ class MeasuredCall:
         finally:
             self.child_running = False
             self._resume(suspended)
-        if counter is not None:
+        if found is not None:
             outputs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
             inputs = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
             roots = {id(t) for t in backward_roots(out, outputs)}
             defaults = {i for i, t in enumerate(outputs) if id(t) in roots and t.requires_grad}
-            self.children.append(_ChildCall(path, counter, args, kwargs, outputs, inputs, first, _sequence_nr(), defaults))
+            self.children.append(_ChildCall(path, counter, found, snapshot, outputs, inputs, first, _sequence_nr(), defaults))
         return out
 
     def _suspend(self) -> bool:
@@ -424,7 +428,7 @@ class MeasuredCall:
         parts = []
         for child in self.children:
             roots = _roots(child, reached.get(id(child), set())) if training else None
-            program, values = child.counter._program_for(child.args, child.kwargs, roots)
+            program, values = child.found if roots is None else child.counter._program_for(*child.snapshot, roots)
             parts.append((program, child.counter._monomials(program, values), child.path))
         columns = self.spine.columns
         program, monomials = columns.monomials(self.work, self.model, self.spine, self.owner.backward)

@@ -175,14 +175,19 @@ def test_data_dependent_model_fails_open_unless_strict():
             return self.fc(x[:keep])
 
     x = torch.randn(6, 4)
-    lenient = fxflops.instrument(DataDependent())
+    lenient = fxflops.instrument(DataDependent(), measure=False)  # symbolic only: refused
     with pytest.warns(UserWarning, match="not counted"):
         out = lenient(x)
     assert out.shape[1] == 4 and lenient.flops.uncounted == 1 and lenient.flops.calls == 0
 
-    strict = fxflops.instrument(DataDependent(), strict=True)
+    strict = fxflops.instrument(DataDependent(), strict=True, measure=False)
     with pytest.raises(fxflops.CaptureError, match="DataDependent"):
         strict(x)
+
+    measured = fxflops.instrument(DataDependent(), strict=True)  # by default the root's own code is measured
+    measured(x)
+    rows = min(int((x > 0).sum()), x.shape[0])  # x[:keep] keeps at most every row
+    assert measured.flops.total() == 2 * rows * 4 * 4 and list(measured.measured) == [""]  # fc on the kept rows
 
 
 def test_instrument_leaves_the_model_untouched():

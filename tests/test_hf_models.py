@@ -145,8 +145,11 @@ def test_plain_models_get_no_adapter():
     assert type(adapter_for(TinyGPT(GPTConfig()))) is Adapter
 
 
-def test_a_family_whose_image_count_is_data_is_refused_not_miscounted():
-    """SmolVLM keeps the image slots whose pixels are not all zero: the vision tower's batch is data."""
+def test_a_family_whose_image_count_is_data_is_measured_not_miscounted():
+    """SmolVLM keeps the image slots whose pixels are not all zero: the vision tower's batch is data.
+    A symbolic trace refuses it; ``instrument`` measures the base model's own code and counts the
+    tower, connector and text model by their own programs (= FlopCounterMode); ``measure=False``
+    refuses it."""
     import transformers  # the module already skips without it (never in CI: the test extra has it)
     config = transformers.SmolVLMConfig(
         vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, image_size=32, patch_size=8),
@@ -154,15 +157,22 @@ def test_a_family_whose_image_count_is_data_is_refused_not_miscounted():
                          num_key_value_heads=2, max_position_embeddings=512),
         scale_factor=2, image_token_id=250,
     )
+    for sub in (config, config.text_config, config.vision_config):
+        sub._attn_implementation = "eager"  # attention as matmuls: FlopCounterMode counts CPU SDPA as 0
     model = transformers.SmolVLMForConditionalGeneration(config).eval()
     ids = torch.cat([torch.full((1, 3), 5), torch.full((1, 4), 250), torch.full((1, 4), 6)], 1)
     batch = dict(input_ids=ids, pixel_values=torch.randn(1, 1, 3, 32, 32))
-    with pytest.raises(fxflops.CaptureError, match="patch_embedding.*data-dependent"):
+    with pytest.raises(fxflops.CaptureError, match=r"patch_embedding.*data-dependent.*made in module 'model'"):
         fxflops.trace(model, kwargs=batch)
-    wrapper = fxflops.instrument(model)
+    refusing = fxflops.instrument(model, measure=False)
     with pytest.warns(UserWarning, match="not counted"), torch.no_grad():
+        refusing(**batch)
+    assert refusing.flops.uncounted == 1 and refusing.flops.total() == 0
+    wrapper = fxflops.instrument(model, strict=True)
+    with torch.no_grad():
         wrapper(**batch)
-    assert wrapper.flops.uncounted == 1 and wrapper.flops.total() == 0
+    assert wrapper.flops.total() == flop_counter_modules(model, batch, backward=False)[""] > 0
+    assert list(wrapper.measured) == ["model"]  # the base model's own code: the tower, connector, text model symbolic
 
 
 REPEATS = {  # family -> (vision layer stack, {reused text layer: template}) at 4 + 4 layers

@@ -330,8 +330,22 @@ class NodeRules:
         if expert is not None and all(free_unbacked_symbols(u) for u in unknown):
             self.routed.setdefault(join(self.prefix, expert), set()).update(unknown)
             return
+        origin = self._origin(unknown)
+        made = "" if origin is None else f" (made in module {join(self.prefix, module_path(origin)) or '<root>'!r} by {origin.target})"
         raise CaptureError(
             f"the FLOPs of {node.target} in module {path or '<root>'!r} depend on data-dependent size(s) "
-            f"{sorted(map(str, unknown))} that no input shape or segment family gives",
-            module=path,
+            f"{sorted(map(str, unknown))}{made} that no input shape or segment family gives",
+            module=path if origin is None else join(self.prefix, module_path(origin)),
         )
+
+    def _origin(self, unknown: set[sympy.Symbol]) -> torch.fx.Node | None:
+        """The first node whose output has one of the data-dependent sizes ``unknown`` (the op that
+        made it: a boolean-mask index, a nonzero, an ``.item()``), or None."""
+        names = {str(u) for u in unknown}
+        for node in self.graph.nodes:
+            val = node.meta.get("val")
+            sizes = val.shape if isinstance(val, torch.Tensor) else (val,) if isinstance(val, torch.SymInt) else ()
+            for size in sizes:
+                if isinstance(size, torch.SymInt) and names & {str(s) for s in size.node.expr.free_symbols}:
+                    return node
+        return None
