@@ -102,11 +102,13 @@ class _Branch:
 
     def refusal(self, sizes: tuple) -> _Refusal | None:
         """The failed capture a call of this size class meets without another capture, or None: one
-        measured instead (``spine``), else the last refusal once :data:`MAX_ATTEMPTS` failed."""
-        found = [r for r in self.refusals if r.sizes == sizes and (r.state is None or r.state.matches())]
-        measured = next((r for r in found if r.spine is not None), None)
+        measured instead (``spine``: measuring is exact at any size, so one serves every size class
+        of the situation), else the last refusal once :data:`MAX_ATTEMPTS` failed."""
+        held = [r for r in self.refusals if r.state is None or r.state.matches()]
+        measured = next((r for r in held if r.spine is not None), None)
         if measured is not None:
             return measured
+        found = [r for r in held if r.sizes == sizes]
         if self.attempts >= MAX_ATTEMPTS:
             last = self.refusals[-1]
             reason = f"{last.reason} (after {self.attempts} failed captures of this call layout, not trying again)"

@@ -71,12 +71,13 @@ _sequence_nr = torch._C._autograd._get_sequence_nr  # the autograd node counter 
 Key = tuple[str, str, str, bool]  # (module, phase, kind, causal): one measured column (two when causal)
 
 
-def op_work(func: Any, args: tuple, kwargs: dict, out: Any) -> tuple[str, Any, Any, Any] | None:
+def op_work(func: Any, args: tuple, kwargs: dict, out: Any, entry: Any = False) -> tuple[str, Any, Any, Any] | None:
     """(kind, dense FLOPs, exact causal FLOPs or None, recomputed share or None) of one executed op,
     from fxflops' rules on its concrete shapes, as the analysis counts a traced node
     (``analysis/nodes.py``); ``("unsupported", 0, None, None)`` for a floating op without a rule;
-    None for an op that does no floating-point work."""
-    entry = entry_for(func)
+    None for an op that does no floating-point work. ``entry``: the op's rule entry when the caller
+    looked it up already (None: it has none)."""
+    entry = entry_for(func) if entry is False else entry
     if entry is None:
         if not touches_floats([*args, *kwargs.values()], out):
             return None
@@ -112,9 +113,13 @@ class Work:
         self.dense: dict[Key, Any] = defaultdict(int)
         self.exact: dict[Key, Any] = defaultdict(int)
         self.unsupported: set[tuple[str, str]] = set()
+        self._entries: dict[Any, Any] = {}  # op -> its rule entry, looked up once per measured call
 
     def add(self, module: str, phase: str, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
-        work = op_work(func, args, kwargs, out)
+        entry = self._entries.get(func, False)
+        if entry is False:
+            entry = self._entries[func] = entry_for(func)
+        work = op_work(func, args, kwargs, out, entry)
         if work is None:
             return
         kind, dense, exact, share = work
@@ -155,7 +160,10 @@ class OwnOps(TorchDispatchMode):
                 module = self.module()
                 if self.seen is not None:  # the node this op made, if it made one (its number is taken first)
                     self.seen.setdefault(_sequence_nr() - 1, module)
-                with overlaid(self.rules):
+                if self.rules:
+                    with overlaid(self.rules):
+                        self.work.add(module, self.phase, func, args, kwargs, out)
+                else:
                     self.work.add(module, self.phase, func, args, kwargs, out)
             except Exception as exc:  # noqa: BLE001 - telemetry never breaks the model
                 self.error = f"{func}: {type(exc).__name__}: {exc}"
@@ -227,7 +235,7 @@ class MeasuredColumns:
         notes = [f"{path or '<root>'}: measured per call ({reason})" for path, reason in spine.reasons.items()]
         analysis = Analysis(terms, unsupported, notes, [], {}, {}, (), {}, {})
         program = Program(analysis, Binder(model.forward, {}, symbols), symbols, [], spine.paths, backward=backward)
-        program.measured = dict(spine.reasons)
+        program.measured = spine.reasons  # the spine's own: a module joining it later is named too
         return program
 
 

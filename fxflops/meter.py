@@ -287,6 +287,7 @@ class Meter:
             generated_tokens=totals["generated_tokens"],
             malformed=totals["malformed"],
             unsupported=sorted({u.op for p, *_ in self._sums.values() for u in p.unsupported}),
+            measured=self.measured(),
         )
         if report.malformed:
             warnings.warn(f"fxflops: {report.malformed_text()}", stacklevel=2)
@@ -300,7 +301,16 @@ class Meter:
         from fxflops.report import meter_table
 
         named = convention or next((p.convention for p, *_ in self._sums.values()), FLOPCOUNTER)
-        return f"convention {named.describe()}\n" + meter_table(self.breakdown(depth, convention=convention))
+        measured = "".join(f"\nmeasured per call: {path or '<root>'}'s own code ({why.splitlines()[0][:160]})" for path, why in self.measured().items())
+        return f"convention {named.describe()}{measured}\n" + meter_table(self.breakdown(depth, convention=convention))
+
+    def measured(self) -> dict[str, str]:
+        """Modules whose own code was measured per call in the counted calls (``fxflops/islands.py``),
+        and why (the refusal of their symbolic capture, with its line)."""
+        found: dict[str, str] = {}
+        for program, *_ in list(self._sums.values()):
+            found.update(program.measured)
+        return found
 
 
 @dataclass
@@ -324,6 +334,7 @@ class Report:
     malformed: dict[str, int] = field(default_factory=dict)  # metadata input -> calls its device metadata broke
     generated_tokens: int = 0  # tokens generate() produced (every row's, prompt excluded)
     unsupported: list[str] = field(default_factory=list)  # ops with no rule: FLOPs are a lower bound
+    measured: dict[str, str] = field(default_factory=dict)  # module -> why its own code was measured per call
 
     def malformed_text(self) -> str:
         """The calls whose metadata on a device was malformed, in words (they are in ``uncounted``)."""
@@ -432,6 +443,8 @@ class Report:
             lines.append(f"  {self.malformed_text()}")
         if self.unsupported:
             lines.append(f"  lower bound: ops without a FLOPs rule ran: {', '.join(self.unsupported)}")
+        for path, reason in self.measured.items():
+            lines.append(f"  measured per call: {path or '<root>'}'s own code ({reason.splitlines()[0][:160]})")
         return "\n".join(lines)
 
     def _divisor_text(self) -> str:

@@ -163,7 +163,7 @@ class DataDependent(nn.Module):
 
 def test_a_refused_layout_costs_one_attempt(monkeypatch):
     model = DataDependent()
-    wrapper = fxflops.instrument(model)
+    wrapper = fxflops.instrument(model, measure=False)  # symbolic only: the refusal is kept
     attempts = []
     original = fxflops.build.capture
     monkeypatch.setattr(fxflops.build, "capture", lambda *a, **k: attempts.append(1) or original(*a, **k))
@@ -182,6 +182,25 @@ def test_a_refused_layout_costs_one_attempt(monkeypatch):
     assert len(attempts) == INSTRUMENT.MAX_ATTEMPTS
     assert wrapper.flops.uncounted == 18
     assert len({str(w.message) for w in caught}) <= 3  # warned once per distinct reason
+
+
+def test_a_measured_layout_costs_one_attempt_for_every_size(monkeypatch):
+    """With measured islands (the default) the failed capture's spine serves every size class:
+    one attempt, every call counted (the root's own code measured, ``fc`` by its own program)."""
+    model = DataDependent()
+    wrapper = fxflops.instrument(model, strict=True)
+    attempts = []
+    original = fxflops.build.capture
+    monkeypatch.setattr(fxflops.build, "capture", lambda *a, **k: attempts.append(1) or original(*a, **k))
+    expected = 0
+    with torch.no_grad():
+        for rows in (5, 9, 1, 0, 3, 1, 21):
+            x = torch.randn(rows, 4)
+            wrapper(x)
+            expected += 2 * min(int((x > 0).sum()), rows) * 4 * 4  # fc on the rows kept
+    assert wrapper.flops.total() == expected and wrapper.flops.uncounted == 0
+    assert sum(branch.attempts for branch in wrapper._branches.values()) == 1
+    assert len(attempts) - 1 <= 3  # fc's own programs: size classes 2+, 1 and 0 at most
 
 
 def test_a_capture_leaves_the_models_attributes_as_they_were():
