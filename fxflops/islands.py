@@ -37,6 +37,7 @@ fails the call is not counted (``uncounted``, warned), never counted in part.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections import defaultdict
 from collections.abc import Callable, Iterator
@@ -59,7 +60,7 @@ from fxflops.errors import CaptureError, FxFlopsError
 from fxflops.program import Program
 from fxflops.routing import dispatched_flops
 from fxflops.rules import entry_for, overlaid
-from fxflops.rules.elementwise import elementwise_cost
+from fxflops.rules.elementwise import MOVES_DATA, elementwise_cost
 from fxflops.rules.not_counted import is_not_counted, touches_floats
 from fxflops.rules.registry import shape_of
 
@@ -79,15 +80,14 @@ def op_work(func: Any, args: tuple, kwargs: dict, out: Any, entry: Any = False) 
     looked it up already (None: it has none)."""
     entry = entry_for(func) if entry is False else entry
     if entry is None:
-        if not touches_floats([*args, *kwargs.values()], out):
+        kind = _without_rule(func)
+        if kind == "none" or not touches_floats([*args, *kwargs.values()], out):
             return None
+        if kind == "unsupported":
+            return "unsupported", 0, None, None
         first = args[0] if args and isinstance(args[0], torch.Tensor) else None
         cost = elementwise_cost(func, shape_of(out) if isinstance(out, torch.Tensor) else None, shape_of(first))
-        if cost is not None:
-            return ("elementwise", cost, None, None) if cost else None
-        if isinstance(func, torch._ops.OpOverload) and not is_not_counted(func):
-            return "unsupported", 0, None, None
-        return None
+        return ("elementwise", cost, None, None) if cost else None
     if entry.segments:  # a varlen op's offsets are data: the binder's device sums, not measured here
         raise CaptureError(f"{func} (varlen attention) in measured code is not counted")
     if getattr(func, "overloadpacket", None) is torch.ops.aten._grouped_mm:
@@ -97,6 +97,18 @@ def op_work(func: Any, args: tuple, kwargs: dict, out: Any, entry: Any = False) 
     exact = entry.causal(*shapes, out_shape=out_shape, **named) if entry.causal is not None and _says_causal(func, args, kwargs) else None
     share = entry.recomputed(*shapes, out_shape=out_shape, **named) if entry.recomputed is not None else None
     return entry.kind, dense, exact, share
+
+
+@functools.cache
+def _without_rule(func: Any) -> str:
+    """What an op without a rule is, from what it is (its name, its ATen tags): ``"elementwise"``
+    (:func:`elementwise_cost` prices it), ``"unsupported"`` (a floating op fxflops has no rule for)
+    or ``"none"`` (views, indexing, index math: no floating-point work)."""
+    if not isinstance(func, torch._ops.OpOverload) or func._schema.name.split("::")[-1] in MOVES_DATA:
+        return "none"
+    if elementwise_cost(func, None, None) is not None:
+        return "elementwise"
+    return "none" if is_not_counted(func) else "unsupported"
 
 
 def _says_causal(func: Any, args: tuple, kwargs: dict) -> bool:
@@ -352,7 +364,7 @@ class MeasuredCall:
             except AttributeError:
                 continue
             targets = [(path, module)] if path else []
-            targets += [(_joined(path, name), m) for name, m in module.named_children() if m is not None]
+            targets += _called_children(module, path)
             for target_path, target in targets:
                 self.paths.setdefault(id(target), target_path)
                 if all(target is not routed for routed in self.routed):
@@ -402,7 +414,9 @@ class MeasuredCall:
         finally:
             self.child_running = False
             self._resume(suspended)
-        if found is not None:
+        if found is not None and not self.training:
+            self.children.append(_ChildCall(path, counter, found, None, [], [], first, _sequence_nr(), set()))
+        elif found is not None:  # what the walk of the autograd graph needs (``_reached``)
             outputs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
             inputs = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
             roots = {id(t) for t in backward_roots(out, outputs)}
@@ -490,6 +504,21 @@ def _roots(child: _ChildCall, reached: set[int]) -> tuple[int, ...] | None:
     """The output leaves a child's traced backward starts from: None (the capture's default, the
     loss or every floating output) when those are the ones the call's backward reaches."""
     return None if reached == child.defaults else tuple(sorted(reached))
+
+
+_CONTAINERS = (torch.nn.ModuleList, torch.nn.ModuleDict)  # never called: their code calls what they hold
+
+
+def _called_children(module: torch.nn.Module, path: str) -> list[tuple[str, torch.nn.Module]]:
+    """The modules ``module``'s own code can call as its children: its children, and the modules held
+    by a child ``ModuleList`` / ``ModuleDict`` (``for layer in self.layers``), with their paths."""
+    found = []
+    for name, child in module.named_children():
+        if child is None:
+            continue
+        child_path = _joined(path, name)
+        found += _called_children(child, child_path) if isinstance(child, _CONTAINERS) else [(child_path, child)]
+    return found
 
 
 def _remove_modes(which: Callable[[Any], bool]) -> None:
