@@ -18,12 +18,17 @@ import torch.nn as nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 from torch.utils.flop_counter import FlopCounterMode
 
+import torch.distributed as dist
+
 import fxflops
 from fxflops.analysis.paths import ancestors
 from fxflops.conventions import FLOPCOUNTER
 from fxflops.errors import CaptureError
+from fxflops.models.tiny_gpt import GPTConfig, TinyGPT
+from reference import flop_counter_call
 
 D = 8
+CFG = GPTConfig(vocab=100, hidden=32, heads=4, kv_heads=2, ffn=48, layers=2)
 WHERE = ("root", "mid", "mid.leaf")  # the module whose own forward holds the data-dependent line
 ALL = FLOPCOUNTER.but(count="all")
 
@@ -303,3 +308,52 @@ def test_a_failing_part_makes_the_call_uncounted_not_partly_counted():
             wrapper(calls(1)[0].requires_grad_())
     assert wrapper.flops.uncounted == 1 and wrapper.flops.total() == 0 and wrapper.flops.calls == 0
     assert any("measured call not counted: head" in str(w.message) for w in caught)
+
+
+class DataDependentGPT(TinyGPT):
+    """TinyGPT whose root reads the token values (keeps the columns up to the count of valid ids:
+    all of them, but a trace cannot know): its own code is measured, its layers stay symbolic."""
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return super().forward(input_ids[:, : int((input_ids[0] >= 0).sum())])
+
+
+def _engine_rank(rank: int, world: int, port: int, results, engine: str, order: str) -> None:
+    from test_distributed import _init, _local, _train_steps, _wrap
+
+    _init(rank, world, port)
+    runs = []
+    for instrumented in (False, True):
+        torch.manual_seed(0)
+        model = DataDependentGPT(CFG)
+        wrapper = fxflops.instrument(model, backward=True, strict=True) if instrumented and order == "instrument_first" else None
+        wrapped = _wrap(engine, wrapper if engine == "ddp" and wrapper is not None else model)
+        if instrumented and order == "wrap_first":
+            wrapper = fxflops.instrument(wrapped, backward=True, strict=True)
+        step_module = wrapper if instrumented and not (engine == "ddp" and order == "instrument_first") else wrapped
+        losses = _train_steps(step_module, step_module.parameters(), rank, wrapper.flops if wrapper is not None else None)
+        parameters = [_local(p).detach().float().clone() for p in step_module.parameters()]
+        counted = None if wrapper is None else (wrapper.flops.total(), wrapper.flops.uncounted, sorted(wrapper.measured))
+        runs.append((losses, parameters, counted))
+    results[rank] = runs
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(
+    ("engine", "order"), [("ddp", "wrap_first"), pytest.param("ddp", "instrument_first", marks=pytest.mark.long), ("fsdp2", "instrument_first")]
+)
+def test_a_measured_model_under_a_data_parallel_engine_counts_each_rank(engine, order):
+    """3 training steps of a measured model under DDP or FSDP2 on 2 gloo ranks: each rank's count
+    equals FlopCounterMode on the unsharded model for its batches, and the engine trains exactly as
+    without fxflops (losses and parameters)."""
+    from test_distributed import STEPS, _batch, spawn
+
+    runs = spawn(_engine_rank, 2, engine, order)
+    torch.manual_seed(0)
+    reference = DataDependentGPT(CFG)
+    for rank in range(2):
+        (plain_losses, plain_parameters, _), (losses, parameters, (local, uncounted, measured)) = runs[rank]
+        expected = sum(flop_counter_call(reference, (_batch(rank, step),), {}, backward=True) for step in range(STEPS))
+        assert losses == plain_losses and all(torch.equal(a, b) for a, b in zip(parameters, plain_parameters)), (engine, rank)
+        assert local == expected and uncounted == 0, (engine, order, rank)
+        assert measured, (engine, order)
