@@ -60,7 +60,7 @@ from fxflops.errors import CaptureError, FxFlopsError
 from fxflops.program import Program
 from fxflops.routing import dispatched_flops
 from fxflops.rules import entry_for, overlaid
-from fxflops.rules.elementwise import MOVES_DATA, elementwise_cost
+from fxflops.rules.elementwise import MOVES_DATA
 from fxflops.rules.not_counted import is_not_counted, touches_floats
 from fxflops.rules.registry import shape_of
 
@@ -85,8 +85,9 @@ def op_work(func: Any, args: tuple, kwargs: dict, out: Any, entry: Any = False) 
             return None
         if kind == "unsupported":
             return "unsupported", 0, None, None
-        first = args[0] if args and isinstance(args[0], torch.Tensor) else None
-        cost = elementwise_cost(func, shape_of(out) if isinstance(out, torch.Tensor) else None, shape_of(first))
+        # elementwise_cost on concrete tensors: 1 per output element (pointwise), per input element (reduction)
+        counted = out if kind == "pointwise" else args[0] if args else None
+        cost = counted.numel() if isinstance(counted, torch.Tensor) else 0
         return ("elementwise", cost, None, None) if cost else None
     if entry.segments:  # a varlen op's offsets are data: the binder's device sums, not measured here
         raise CaptureError(f"{func} (varlen attention) in measured code is not counted")
@@ -101,13 +102,16 @@ def op_work(func: Any, args: tuple, kwargs: dict, out: Any, entry: Any = False) 
 
 @functools.cache
 def _without_rule(func: Any) -> str:
-    """What an op without a rule is, from what it is (its name, its ATen tags): ``"elementwise"``
-    (:func:`elementwise_cost` prices it), ``"unsupported"`` (a floating op fxflops has no rule for)
-    or ``"none"`` (views, indexing, index math: no floating-point work)."""
+    """What an op without a rule is, from what it is (its name, its ATen tags), as
+    :func:`~fxflops.rules.elementwise.elementwise_cost` prices it: ``"pointwise"`` or
+    ``"reduction"``, ``"unsupported"`` (a floating op fxflops has no rule for) or ``"none"`` (data
+    movement, views, indexing, index math: no floating-point work)."""
     if not isinstance(func, torch._ops.OpOverload) or func._schema.name.split("::")[-1] in MOVES_DATA:
         return "none"
-    if elementwise_cost(func, None, None) is not None:
-        return "elementwise"
+    if torch.Tag.pointwise in func.tags:
+        return "pointwise"
+    if torch.Tag.reduction in func.tags:
+        return "reduction"
     return "none" if is_not_counted(func) else "unsupported"
 
 
