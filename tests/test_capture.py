@@ -418,6 +418,47 @@ def test_identical_layers_are_traced_once_and_distinct_ones_each():
     assert program.total(rows=5) == reference_counts(model, torch.randn(5, 8))[""] == 2 * 5 * 8 * 8 * 6
 
 
+class MLPLayer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x):
+        return self.down(F.gelu(self.up(x)))
+
+
+class SharedActivationStack(nn.Module):
+    """Repeated layers, and one activation module held at two paths (Phi-4-multimodal's audio
+    encoder does this): make_fx then records module paths through access proxies."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.act = nn.ReLU()
+        self.pre = nn.Sequential(nn.Linear(8, 8), self.act)
+        self.layers = nn.ModuleList(MLPLayer() for _ in range(3))
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x):
+        x = self.act(self.pre(x))
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def test_repeated_layers_count_under_their_paths_when_a_module_is_shared():
+    """A module held at two paths makes make_fx record each submodule through an access proxy; the
+    repeated layers' template must keep its full path, or the repeats bill nothing (was: one layer
+    of three counted, at the root)."""
+    model = SharedActivationStack()
+    program = fxflops.trace(model, (torch.randn(3, 8),), dims={"x": {0: "rows"}})
+    assert program.reused == {"layers.1": "layers.0", "layers.2": "layers.0"}
+    expected = reference_counts(model, torch.randn(5, 8))
+    got = program.breakdown(rows=5)
+    assert got[""] == expected[""] == 2 * 5 * (8 * 8 + 3 * 2 * 8 * 16 + 8 * 4)
+    for path, flops in expected.items():
+        assert got.get(path) == flops, path
+
+
 @pytest.mark.long  # two models traced twice each, a transformers VLM among them
 def test_a_model_on_the_meta_device_traces_to_the_program_of_its_real_weights():
     """Planning without weights: a model built under ``torch.device("meta")`` is traced with its
@@ -473,6 +514,43 @@ def test_zero_config_keeps_size_one_dims_that_broadcast_constant():
             wrapper(*args)
         assert wrapper.flops.total() == flop_counter_call(model, args, {}, backward=False), [a.shape for a in args]
     assert wrapper.captures == 2
+
+
+class Store:
+    """An argument object a forward writes to (a key-value cache)."""
+
+    def __init__(self) -> None:
+        self.keys = None
+
+
+class WritesThenBroadcasts(nn.Module):
+    """Fills the store, then adds a (rows, 1) bias: with ``dims=None`` the first trace (the bias's
+    size-1 dim free) fails after the write, and the retry must not see the failed trace's keys."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x, bias, store):
+        keys = self.fc(x)
+        store.keys = keys if store.keys is None else torch.cat([store.keys, keys])
+        return (store.keys @ store.keys.T) @ keys + bias  # (rows, 8) + (rows, 1)
+
+
+def test_a_retried_trace_starts_from_the_call_not_from_the_failed_attempt():
+    from reference import flop_counter_call
+
+    model = WritesThenBroadcasts()
+    wrapper = fxflops.instrument(model, strict=True)
+    for rows in (6, 4):
+        store = Store()
+        wrapper.flops.reset()
+        with torch.no_grad():
+            out = wrapper(torch.randn(rows, 8), torch.randn(rows, 1), store)
+        assert out.shape == (rows, 8) and store.keys.shape == (rows, 8)  # the real call's own write only
+        expected = flop_counter_call(model, (torch.randn(rows, 8), torch.randn(rows, 1), Store()), {}, backward=False)
+        assert wrapper.flops.total() == expected == 2 * rows * 8 * 8 + 2 * 2 * rows * rows * 8
+    assert not wrapper.measured and wrapper.captures == 1  # one symbolic program, nothing measured
 
 
 class InPlaceOnInput(nn.Module):

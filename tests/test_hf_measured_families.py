@@ -422,18 +422,15 @@ FAMILIES = {  # the measured modules: where each family's data-dependent line is
     "llava_onevision": Family(build_llava_onevision, llava_onevision_batch, ("model",)),  # batch_num_images loop
     "idefics3": Family(build_idefics3, idefics3_batch, ("model",)),  # pixel_values[real_images_inds]
     "smolvlm": Family(build_smolvlm, idefics3_batch, ("model",)),  # pixel_values[real_images_inds]
-    "mistral3": Family(build_mistral3, mistral3_batch, ("model.vision_tower",)),  # Pixtral: slices by image_sizes
+    "mistral3": Family(  # Pixtral: position embeddings sliced by image_sizes; the patch merger: unfold per image
+        build_mistral3, mistral3_batch, ("model.vision_tower", "model.multi_modal_projector.patch_merger")),
     "ovis2": Family(build_ovis2, ovis2_batch, ("model",)),  # if mask.any(): per visual indicator
     "phi4_multimodal": Family(  # if (input_ids == image_token_id).any(); sub_img[:area_ratio] per image
         build_phi4_multimodal, phi4_batch, ("model.embed_tokens_extend", "model.embed_tokens_extend.image_embed"),
         "image_pixel_values"),
     "emu3": Family(build_emu3, emu3_batch, ("model.vqmodel",)),  # encode: codes sliced by image_sizes
 }
-OPEN = {  # not yet passing (issue 14, left open): the cause is still to be found
-    "mistral3": "a forward call raises AttributeError: 'NoneType' object has no attribute 'squeeze' (not yet traced to its line)",
-    "phi4_multimodal": "the root's own capture fails first ('<root>'), so '' and 'model' are measured too; counts not yet compared",
-}
-PARAMETERS = [pytest.param(f, marks=pytest.mark.skip(reason=OPEN[f])) if f in OPEN else f for f in FAMILIES]
+PARAMETERS = list(FAMILIES)
 
 
 def random_batch(family: str, model, rng: random.Random, images: bool, training: bool) -> dict:

@@ -7,6 +7,7 @@ data-dependent line (for the elementwise convention FlopCounterMode has no count
 
 from __future__ import annotations
 
+import contextvars
 import copy
 import pickle
 import threading
@@ -308,6 +309,79 @@ def test_a_failing_part_makes_the_call_uncounted_not_partly_counted():
             wrapper(calls(1)[0].requires_grad_())
     assert wrapper.flops.uncounted == 1 and wrapper.flops.total() == 0 and wrapper.flops.calls == 0
     assert any("measured call not counted: head" in str(w.message) for w in caught)
+
+
+_COLLECTED: contextvars.ContextVar[list | None] = contextvars.ContextVar("collected", default=None)
+
+
+def _collect(module, args, output) -> None:
+    """A forward hook in the style of transformers' output capturing: appends to the collector of
+    the call that is running, if any."""
+    collected = _COLLECTED.get()
+    if collected is not None:
+        collected.append(output)
+
+
+class Collecting(nn.Module):
+    """Sets a collector, runs its towers (forward hooks append their outputs) and sums what they
+    collected; a data-dependent line in its own forward (``data_dependent``) makes it measured,
+    its towers then captured in the middle of its call."""
+
+    def __init__(self, data_dependent: bool) -> None:
+        super().__init__()
+        self.data_dependent = data_dependent
+        self.towers = nn.ModuleList(nn.Linear(D, D) for _ in range(2))
+        for tower in self.towers:
+            tower.register_forward_hook(_collect)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        token = _COLLECTED.set([])
+        try:
+            if self.data_dependent:
+                x = x[: kept(x, None)]
+            for tower in self.towers:
+                x = tower(x)
+            collected = _COLLECTED.get()
+        finally:
+            _COLLECTED.reset(token)
+        assert len(collected) == len(self.towers), len(collected)  # a capture appending here breaks the step
+        return sum(t.sum() for t in collected)
+
+
+class Outer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = Collecting(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x)
+
+
+@pytest.mark.parametrize("kind", ["measured parent", "instrumented child"])
+def test_a_capture_inside_a_running_call_leaves_its_context_variables_alone(kind):
+    """A child captured while its parent's forward runs (a measured parent, or a wrapper instrumented
+    inside a model) does not append its fake tensors to the parent's collectors: the step runs and
+    counts as without fxflops."""
+    if kind == "measured parent":
+        model = Collecting(True)
+        wrapper = fxflops.instrument(model, strict=True)
+        run, reference = wrapper, model
+    else:
+        model = Outer()
+        model.inner.towers[0] = fxflops.instrument(model.inner.towers[0], strict=True)
+        wrapper, run, reference = model.inner.towers[0], model, Outer()
+        reference.load_state_dict({k.replace("towers.0.model.", "towers.0."): v for k, v in model.state_dict().items()})
+    for rows in (5, 7):
+        x = torch.randn(rows, D)
+        x[:, 0] = torch.linspace(-1, 1, rows)
+        wrapper.flops.reset()
+        with torch.no_grad():
+            out = run(x)
+            assert torch.allclose(out, reference(x))
+        per_tower = 2 * (int((x[:, 0] > 0).sum()) + 1 if kind == "measured parent" else rows) * D * D
+        towers = 2 if kind == "measured parent" else 1
+        assert wrapper.flops.total() == towers * per_tower == (
+            flop_counter_call(model, (x,), {}, backward=False) if kind == "measured parent" else per_tower)
 
 
 class DataDependentGPT(TinyGPT):

@@ -221,13 +221,15 @@ def backward_roots(out: Any, outputs: list[torch.Tensor]) -> list[torch.Tensor]:
 
 def _running_module(exc: BaseException, model: torch.nn.Module) -> str | None:
     """The path of the innermost module of ``model`` whose call was running where ``exc`` was
-    raised (the ``self`` of the innermost traceback frame that is one of its modules), or None."""
-    paths = {id(module): path for path, module in model.named_modules()}
+    raised (the ``self`` of the innermost traceback frame that is one of its modules), or None.
+    Modules are known by their ``__dict__``: make_fx's module-stack tracer calls a child through a
+    proxy object that shares it."""
+    paths = {id(vars(module)): path for path, module in model.named_modules()}
     where, tb = None, exc.__traceback__
     while tb is not None:
         owner = tb.tb_frame.f_locals.get("self")
-        if isinstance(owner, torch.nn.Module) and id(owner) in paths:
-            where = paths[id(owner)]
+        if isinstance(owner, torch.nn.Module) and id(vars(owner)) in paths:
+            where = paths[id(vars(owner))]
         tb = tb.tb_next
     return where
 

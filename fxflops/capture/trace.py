@@ -135,12 +135,16 @@ def _trace(
 ) -> tuple[_Trace, list[DimSpec]]:
     """Trace, again without layer reuse when a layer runs twice (``capture/reuse.py``), and again
     with the ``size_one`` dims constant when the trace fails with them free (a ``(4, 1)`` bias must
-    broadcast). Returns the trace and the specs it kept free."""
+    broadcast). Returns the trace and the specs it kept free. Each attempt traces its own copy of
+    the call's opaque arguments: a failed attempt's writes (a key-value cache it filled) never reach
+    the next one, nor the user's objects."""
     plans = [(specs, True)]
     while True:
         specs, reusing = plans.pop(0)
+        own_args, own_kwargs, uncopied = isolated_call(*call)
         try:
-            return _trace_once(model, call, tensors, integers, specs, reusing, **options), specs
+            with preserving_state(model, uncopied):
+                return _trace_once(model, (own_args, own_kwargs), tensors, integers, specs, reusing, **options), specs
         except LayerCalledTwice:
             plans.append((specs, False))
         except CaptureError:
@@ -188,14 +192,12 @@ def capture(
     ] if dims is None else []
     leaves = pytree.tree_leaves((args, kwargs))
     reads = Reads()
-    with capture_scope():
-        own_args, own_kwargs, uncopied = isolated_call(args, kwargs)
-        with preserving_state(model, uncopied), _attaching(reads):
-            trace, specs = _trace(
-                model, (own_args, own_kwargs), tensors, held_ints(named), specs, size_one,
-                backward=backward, adapter=adapter, per_segment=per_segment, reads=reads, roots=roots,
-                shapes=compute_shapes(model),  # sharded parameters: what this rank computes with
-            )
+    with capture_scope(), _attaching(reads):
+        trace, specs = _trace(
+            model, (args, kwargs), tensors, held_ints(named), specs, size_one,
+            backward=backward, adapter=adapter, per_segment=per_segment, reads=reads, roots=roots,
+            shapes=compute_shapes(model),  # sharded parameters: what this rank computes with
+        )
     pinned = check_free(trace.env, trace.env_syms, strict=dims is not None and not allow_pins)
     env_to_named = {sym: named_symbol(name) for name, sym in trace.env_syms.items()}
     public = functools.partial(in_public_symbols, trace.env, env_to_named)
