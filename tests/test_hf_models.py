@@ -116,6 +116,31 @@ def test_malformed_grids_are_errors_naming_the_input(qwen2_vl):
         program.count(**batch, image_cu_seqlens=offsets)
 
 
+def test_vision_metadata_kept_per_grid_is_what_transformers_derives_for_that_grid(qwen2_vl):
+    """The adapter keeps the encoder's derived inputs per grid (values, not tensor identity): a grid
+    seen before gives the same tensors as transformers' own precomputation, a grid changed in place
+    gets its own, and a grid with a different device or dtype is never confused with another."""
+    from transformers.exporters.utils import precompute_export_inputs
+
+    model = qwen2_vl[0]
+    adapter = fxflops.instrument(model).adapter
+    rng = random.Random(3)
+    grids = [hf_zoo.random_batch("qwen2_vl", rng, images=n)["image_grid_thw"] for n in (1, 3, 3, 5)]
+    grids.append(grids[1].clone())  # equal values, another tensor: the same metadata
+    changed = grids[2].clone()
+    grids.append(changed)
+    for _ in range(2):
+        for grid in grids:
+            expected = {"grid_thw": grid}
+            precompute_export_inputs(model.model.visual, expected)
+            got = adapter._vision_metadata(grid)
+            assert set(got) == set(expected) - {"grid_thw"}
+            for key, value in got.items():
+                assert torch.equal(value, expected[key]) if isinstance(value, torch.Tensor) else value == expected[key], key
+        changed[0, 1] += 2  # in place: the next round must derive it again
+    assert len(adapter._derived_by_grid) <= len(grids) + 1
+
+
 def test_a_new_call_layout_is_recaptured_or_refused():
     """A text-only microbatch (no pixels) after image batches: a second program, counted exactly; with
     ``on_miss="raise"`` the call is refused with the missing inputs named."""

@@ -94,6 +94,7 @@ class TransformersAdapter(Adapter):
         self.encoder = _vision_encoder(model)
         self.rope = _rope_owner(model)
         self.derived: set[str] = set()  # the keyword arguments prepare() adds
+        self._derived_by_grid: dict[tuple, dict[str, Any]] = {}  # _vision_metadata's cache
         self._signature = inspect.signature(model.forward)  # kept: prepare() binds calls on the hot path
         self._rope_parameters = _parameters(self.rope.get_rope_index) if self.rope is not None else set()
         positional = list(_parameters(model.forward, ordered=True))
@@ -120,11 +121,10 @@ class TransformersAdapter(Adapter):
                     f"{grid_name} describes {int(grid.prod(-1).sum())} patches (the sum of t·h·w), but "
                     f"{'pixel_values' if modality == 'image' else 'pixel_values_videos'} has {pixels.shape[0]} rows"
                 )
-            derived: dict[str, Any] = {"grid_thw": grid}
             with _naming(f"{type(self.encoder).__name__}'s vision metadata", [grid_name]):
-                _precompute_encoder_inputs(self.encoder, derived)
+                derived = self._vision_metadata(grid)
             for key, value in derived.items():  # what the caller passed precomputed is kept
-                if key != "grid_thw" and value is not None and f"{modality}_{key}" not in call:
+                if value is not None and f"{modality}_{key}" not in call:
                     extras[f"{modality}_{key}"] = value
         if self.rope is not None and call.get("position_ids") is None and any(call.get(g) is not None for g in GRIDS.values()):
             given = {k: v for k, v in call.items() if k in self._rope_parameters and v is not None}
@@ -132,6 +132,23 @@ class TransformersAdapter(Adapter):
                 extras["position_ids"], _ = self.rope.get_rope_index(**given)
         self.derived.update(extras)
         return (args, {**kwargs, **extras}) if extras else (args, kwargs)
+
+    def _vision_metadata(self, grid: torch.Tensor) -> dict[str, Any]:
+        """The encoder's loop-built inputs for ``grid`` (cu_seqlens, positions, window indices: a
+        function of the grid's values and the encoder's fixed attributes), kept per grid on the host:
+        a dataset of few resolutions derives each once (transformers' precomputation walks the
+        encoder's modules for its attributes on every call). Emptied past 256 grids."""
+        key = (grid.dtype, tuple(grid.shape), grid.numpy().tobytes()) if grid.is_cpu and not grid.requires_grad else None
+        found = self._derived_by_grid.get(key) if key is not None else None
+        if found is None:
+            inputs: dict[str, Any] = {"grid_thw": grid}
+            _precompute_encoder_inputs(self.encoder, inputs)
+            found = {k: v for k, v in inputs.items() if k != "grid_thw"}
+            if key is not None:
+                if len(self._derived_by_grid) >= 256:
+                    self._derived_by_grid.clear()
+                self._derived_by_grid[key] = found
+        return found
 
     def dims(self, args: tuple, kwargs: dict) -> dict[str, dict[int, str]]:
         """Every tensor dim of the call named: batch/seq on text inputs, past on a key-value cache's
