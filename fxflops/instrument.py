@@ -30,7 +30,6 @@ trace (``torch.compiler.disable``: a graph break on each side of the model's cal
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import functools
 import inspect
 import threading
@@ -464,10 +463,9 @@ class Instrumented(torch.nn.Module):
         started = time.perf_counter()
         rule = "none" if self.backward == "traced" and not torch.is_grad_enabled() else self.backward
         branch.attempts += 1
-        try:  # in an empty context: context variables of a call the capture runs inside (HF's output
-            # collectors, which the twin's forward hooks append to) never see the trace's fake tensors
-            program = contextvars.Context().run(
-                build_program, self.traced, args, kwargs, self.adapter, dims=self.dims, per_segment=self.per_segment,
+        try:
+            program = build_program(
+                self.traced, args, kwargs, self.adapter, dims=self.dims, per_segment=self.per_segment,
                 segments=self.segments, strict_metadata=self.strict_metadata,
                 backward=rule,
                 allow_pins=bool(self.programs), rules=self.rules, situation=situation, roots=roots,

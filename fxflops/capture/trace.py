@@ -12,6 +12,7 @@ every tensor op, also one whose result is unused, so work that executes is count
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -192,12 +193,19 @@ def capture(
     ] if dims is None else []
     leaves = pytree.tree_leaves((args, kwargs))
     reads = Reads()
-    with capture_scope(), _attaching(reads):
-        trace, specs = _trace(
-            model, (args, kwargs), tensors, held_ints(named), specs, size_one,
-            backward=backward, adapter=adapter, per_segment=per_segment, reads=reads, roots=roots,
-            shapes=compute_shapes(model),  # sharded parameters: what this rank computes with
-        )
+
+    def traced() -> tuple[_Trace, list[DimSpec]]:
+        with capture_scope(), _attaching(reads):
+            return _trace(
+                model, (args, kwargs), tensors, held_ints(named), specs, size_one,
+                backward=backward, adapter=adapter, per_segment=per_segment, reads=reads, roots=roots,
+                shapes=compute_shapes(model),  # sharded parameters: what this rank computes with
+            )
+
+    # in an empty context (the capture scope's own state set inside it): context variables of a call
+    # the capture runs inside (HF's output collectors, which the twin's forward hooks append to) never
+    # see the trace's fake tensors
+    trace, specs = contextvars.Context().run(traced)
     pinned = check_free(trace.env, trace.env_syms, strict=dims is not None and not allow_pins)
     env_to_named = {sym: named_symbol(name) for name, sym in trace.env_syms.items()}
     public = functools.partial(in_public_symbols, trace.env, env_to_named)
