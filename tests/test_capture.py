@@ -13,7 +13,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import fxflops
 from fxflops.models.tiny_gpt import GPTConfig, TinyGPT
-from reference import reference_counts
+from reference import per_module_training_reference, reference_counts
 
 
 class Branchy(nn.Module):
@@ -456,6 +456,42 @@ def test_repeated_layers_count_under_their_paths_when_a_module_is_shared():
     got = program.breakdown(rows=5)
     assert got[""] == expected[""] == 2 * 5 * (8 * 8 + 3 * 2 * 8 * 16 + 8 * 4)
     for path, flops in expected.items():
+        assert got.get(path) == flops, path
+
+
+class BlocksInAPlainList(nn.Module):
+    """Two blocks called from a Python list (not a ModuleList), and one activation module held by
+    both: make_fx records paths through access proxies, and the blocks are reached from a plain object."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        act = nn.ReLU()
+        self.first, self.second = MLPLayer(), MLPLayer()
+        self.first.act = self.second.act = act
+        self.order = [self.second, self.first]  # the call order is not the registration order
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x):
+        for block in self.order:
+            x = x + block.act(block(x))
+        return self.head(x)
+
+
+def test_modules_reached_from_a_plain_object_count_under_their_paths_when_a_module_is_shared():
+    """A block reached from a Python list while some module is shared: its children were recorded by
+    attribute name alone (``up``, ``down``), the blocks themselves billed 0. Forward and training,
+    every module against FlopCounterMode."""
+    model = BlocksInAPlainList()
+    program = fxflops.trace(model, (torch.randn(3, 8, requires_grad=True),), dims={"x": {0: "rows"}}, backward=True)
+    assert not {"up", "down", "act"} & set(program.modules())
+    forward = reference_counts(model, torch.randn(5, 8))
+    assert forward["first"] == forward["second"] == 2 * (2 * 5 * 8 * 16)  # up + down, 5 rows
+    got = program.breakdown(rows=5, phase="fwd")
+    for path, flops in forward.items():
+        assert got.get(path) == flops, path
+    training = per_module_training_reference(model, torch.randn(5, 8, requires_grad=True))
+    got = program.breakdown(rows=5)
+    for path, flops in training.items():
         assert got.get(path) == flops, path
 
 

@@ -18,7 +18,7 @@ import torch.fx.experimental._config as fx_config
 import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.proxy_tensor import _AttrProxy, _ModuleStackTracer, make_fx
 
 from fxflops.capture.inputs import Path, put
 from fxflops.capture.phases import run_backward, tagging_recompute
@@ -110,6 +110,27 @@ def _grouped_mm_any_float() -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def _access_paths_from_the_root() -> Iterator[None]:
+    """A module reached from a plain object is recorded at its path in the model, while tracing.
+
+    When a module of the traced model is held at two paths, make_fx's module-stack tracer records
+    paths through access proxies: a child read from a proxy gets the proxy's path plus its name, but a
+    child read from a plain module (one held in a Python list, a layer's forward run on the module
+    itself) gets a proxy of its attribute name alone, so ``model.blocks[0].up`` would be recorded as
+    ``up`` — its FLOPs billed to a module that does not exist, and to no ancestor. Such a read starts
+    its proxy at the module's path in the model (the first of ``named_modules``, as without sharing);
+    reads through proxies are unchanged.
+    """
+    def getattr_(tracer: _ModuleStackTracer, attr: str, attr_val: Any, parameter_proxy_cache: dict) -> Any:
+        if tracer.enable_attr_proxy and isinstance(attr_val, torch.nn.Module) and not isinstance(attr_val, _AttrProxy):
+            attr = tracer.submodule_paths.get(attr_val, attr)
+        return getattr_of_tracer(tracer, attr, attr_val, parameter_proxy_cache)
+
+    with patched(_ModuleStackTracer, "getattr", getattr_) as getattr_of_tracer:
+        yield
+
+
 def trace_graph(
     model: torch.nn.Module,
     mode: FakeTensorMode,
@@ -172,7 +193,7 @@ def trace_graph(
     run._orig_mod = model  # make_fx records nn_module_stack relative to this root
     try:
         phases = tagging_recompute() if backward else contextlib.nullcontext()
-        with fx_config.patch(backed_size_oblivious=True), no_stack_traces(), _layout_oblivious(), _attention_flags_as_bools(), _grouped_mm_any_float(), phases, mode:
+        with fx_config.patch(backed_size_oblivious=True), no_stack_traces(), _layout_oblivious(), _access_paths_from_the_root(), _attention_flags_as_bools(), _grouped_mm_any_float(), phases, mode:
             gm = make_fx(
                 run, tracing_mode="symbolic", _allow_non_fake_inputs=True, record_module_stack=True
             )(*(leaves[i] for i in slots), *(fake for _, _, fake in held), *fake_state)

@@ -43,7 +43,6 @@ from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
-from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
 from fxflops.capture.markers import repeat_marker
 
@@ -112,17 +111,6 @@ class LayerCalledTwice(Exception):
     without reuse."""
 
 
-def _as_traced(layer: torch.nn.Module, path: str) -> torch.nn.Module:
-    """The ``self`` a wrapped layer's forward runs with: when a module of the traced model is held at
-    two paths, make_fx's module-stack tracer records paths through access proxies (a submodule
-    reached from a plain module would be recorded by its attribute name alone: ``self_attn``, not
-    ``model.layers.0.self_attn``), so the layer runs as the proxy of its own path."""
-    tracer = getattr(get_proxy_mode(), "tracer", None)
-    if getattr(tracer, "enable_attr_proxy", False):
-        return tracer.proxy_type(layer, path)
-    return layer
-
-
 @contextlib.contextmanager
 def reusing_repeated_layers(
     model: torch.nn.Module, skip: set[str], backward: bool, enabled: bool = True, ignored: frozenset[str] = frozenset()
@@ -155,7 +143,7 @@ def reusing_repeated_layers(
             call = _call_key(args, kwargs, backward) if _plain_autograd(backward) else None
             key = None if call is None else (kinds[path], call)
             if key is None or key not in templates:
-                out = type(layer).forward(_as_traced(layer, path), *args, **kwargs)
+                out = type(layer).forward(layer, *args, **kwargs)
                 if key is not None:
                     leaves, spec = pytree.tree_flatten(out)
                     templates[key] = (path, spec, leaves)
