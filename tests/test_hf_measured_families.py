@@ -1,6 +1,6 @@
 """Hugging Face VLM families whose symbolic capture fails inside a module (data-dependent Python
 code: loops over ``image_sizes``, ``.tolist()`` splits, ``if mask.any():``), counted exactly all the
-same by measured islands (``fxflops/islands.py``): LLaVA-NeXT, LLaVA-OneVision, Idefics3, SmolVLM,
+same by measured islands (``fxflops/islands.py``): Idefics3, SmolVLM,
 Mistral3 (Pixtral tower), Ovis2, Phi-4-multimodal (image only) and Emu3 (VQ-VAE image tokenizer).
 
 Each family is a tiny random-weight model built here with ``attn_implementation="eager"`` (attention
@@ -69,86 +69,6 @@ def sequences_with(rng: random.Random, batch: int, blocks: list[list[int]], owne
 
 def owners_of(rng: random.Random, batch: int, images: int) -> list[int]:
     return sorted(rng.randrange(batch) for _ in range(images))
-
-
-# --- LLaVA-NeXT ---------------------------------------------------------------------------------
-
-TILE = 32  # the vision towers' input size (px) in the anyres families
-PINPOINTS = [[32, 64], [64, 32], [64, 64]]  # anyres grids: 1x2, 2x1, 2x2 tiles (+ the base tile)
-SIZES = (20, 32, 50, 64)  # original image heights and widths (px)
-
-
-def build_llava_next() -> torch.nn.Module:
-    """CLIP tower on 32px tiles / patch 8 (16 patches + CLS, the second-to-last layer, CLS dropped),
-    anyres grids up to 2x2 tiles with unpadding and image_newline; Llama text."""
-    import transformers
-
-    config = transformers.LlavaNextConfig(
-        vision_config=dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_attention_heads=4,
-                           num_hidden_layers=2, image_size=TILE, patch_size=8, projection_dim=32),
-        text_config=dict(TEXT, model_type="llama"), image_token_index=IMAGE, image_grid_pinpoints=PINPOINTS,
-        vision_feature_layer=-2, vision_feature_select_strategy="default")
-    return eager(transformers.LlavaNextForConditionalGeneration, config)
-
-
-def llava_next_batch(model, rng: random.Random, images: bool) -> dict:
-    """1-5 images of random sizes (h, w in 20-64px), each its anyres tiles (base + grid) padded to the
-    most tiles: pixel_values (images, tiles, 3, 32, 32), image_sizes (images, 2); each image's
-    <image> tokens as many as its packed features (unpadded grid rows + newlines, base tile)."""
-    from transformers.models.llava_next.modeling_llava_next import image_size_to_num_patches
-
-    batch = rng.randint(1, 3)
-    sizes = [(rng.choice(SIZES), rng.choice(SIZES)) for _ in range(rng.randint(1, 5) if images else 0)]
-    if not sizes:
-        return sequences_with(rng, batch, [], [])
-    tiles = [image_size_to_num_patches(size, PINPOINTS, TILE) for size in sizes]
-    pixel_values = torch.randn(len(sizes), max(tiles), 3, TILE, TILE)
-    image_sizes = torch.tensor(sizes)
-    with torch.no_grad():
-        features = model.model.get_image_features(pixel_values, image_sizes).pooler_output
-    blocks = [[IMAGE] * f.shape[0] for f in features]
-    call = sequences_with(rng, batch, blocks, owners_of(rng, batch, len(sizes)))
-    return dict(call, pixel_values=pixel_values, image_sizes=image_sizes)
-
-
-# --- LLaVA-OneVision -----------------------------------------------------------------------------
-
-
-def build_llava_onevision() -> torch.nn.Module:
-    """SigLIP tower on 32px tiles / patch 8 (16 tokens per tile, last layer, all tokens), anyres grids
-    up to 2x2 tiles with unpadding and image_newline (anyres_max_1: a 2x2 grid is interpolated down);
-    Qwen2 text."""
-    import transformers
-
-    config = transformers.LlavaOnevisionConfig(
-        vision_config=dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=64,
-                           num_attention_heads=4, num_hidden_layers=2, image_size=TILE, patch_size=8,
-                           vision_use_head=False),
-        text_config=dict(TEXT, model_type="qwen2"), image_token_index=IMAGE, video_token_index=251,
-        image_grid_pinpoints=PINPOINTS, vision_aspect_ratio="anyres_max_1")
-    return eager(transformers.LlavaOnevisionForConditionalGeneration, config)
-
-
-def llava_onevision_batch(model, rng: random.Random, images: bool) -> dict:
-    """As LLaVA-NeXT, with batch_num_images (the images of each sequence): a sequence with one image
-    gets its anyres tiles, one with several gets only their base tiles (the processor's rule)."""
-    from transformers.models.llava_onevision.modeling_llava_onevision import image_size_to_num_patches
-
-    batch = rng.randint(1, 3)
-    sizes = [(rng.choice(SIZES), rng.choice(SIZES)) for _ in range(rng.randint(1, 5) if images else 0)]
-    if not sizes:
-        return sequences_with(rng, batch, [], [])
-    owners = owners_of(rng, batch, len(sizes))
-    batch_num_images = [owners.count(b) for b in range(batch)]
-    tiles = [image_size_to_num_patches(size, PINPOINTS, TILE) if batch_num_images[b] == 1 else 1
-             for size, b in zip(sizes, owners)]
-    pixel_values = torch.randn(len(sizes), max(tiles), 3, TILE, TILE)
-    image_sizes = torch.tensor(sizes)
-    extra = dict(image_sizes=image_sizes, batch_num_images=torch.tensor(batch_num_images))
-    with torch.no_grad():
-        features = model.model.get_image_features(pixel_values, **extra).pooler_output
-    call = sequences_with(rng, batch, [[IMAGE] * f.shape[0] for f in features], owners)
-    return dict(call, pixel_values=pixel_values, **extra)
 
 
 # --- Idefics3 / SmolVLM ------------------------------------------------------------------------
@@ -418,8 +338,6 @@ class Family:
 
 
 FAMILIES = {  # the measured modules: where each family's data-dependent line is
-    "llava_next": Family(build_llava_next, llava_next_batch, ("model",)),  # get_image_features: image_sizes loop
-    "llava_onevision": Family(build_llava_onevision, llava_onevision_batch, ("model",)),  # batch_num_images loop
     "idefics3": Family(build_idefics3, idefics3_batch, ("model",)),  # pixel_values[real_images_inds]
     "smolvlm": Family(build_smolvlm, idefics3_batch, ("model",)),  # pixel_values[real_images_inds]
     "mistral3": Family(  # Pixtral: position embeddings sliced by image_sizes; the patch merger: unfold per image

@@ -44,6 +44,7 @@ from fxflops.analysis.paths import inside
 from fxflops.capture.adapters import Adapter
 from fxflops.capture.inputs import bind_call, held_root, is_metadata, path_label, tensor_leaves
 from fxflops.adapters.pieces import packed_pieces
+from fxflops.adapters.tiles import AnyresTiles
 from fxflops.errors import CaptureError, MetadataError
 
 FEATURE_GETTERS = ("get_image_features", "get_video_features")
@@ -96,6 +97,7 @@ class TransformersAdapter(Adapter):
         self.derived: set[str] = set()  # the keyword arguments prepare() adds
         self._derived_by_grid: dict[tuple, dict[str, Any]] = {}  # _vision_metadata's cache
         self._signature = inspect.signature(model.forward)  # kept: prepare() binds calls on the hot path
+        self.tiles = AnyresTiles.of(model, self._signature)  # images cut into tiles by their sizes (adapters/tiles.py)
         self._rope_parameters = _parameters(self.rope.get_rope_index) if self.rope is not None else set()
         positional = list(_parameters(model.forward, ordered=True))
         # a call reaching a grid only past this many positional arguments: a quick "no media" test
@@ -105,6 +107,8 @@ class TransformersAdapter(Adapter):
         """Add the metadata the model would derive with loops (see the module docstring). Metadata
         that cannot be derived (a grid that does not match the image tokens) raises
         :class:`~fxflops.errors.MetadataError` naming the inputs."""
+        if self.tiles is not None:
+            args, kwargs = self.tiles.prepare(args, kwargs)
         if len(args) <= self._grid_after and (kwargs.keys().isdisjoint(_GRID_NAMES) or all(kwargs.get(g) is None for g in _GRID_NAMES)):
             return args, kwargs  # text only: nothing to derive (and no binding on this hot path)
         call = bind_call(self.model.forward, args, kwargs, self._signature)
@@ -175,6 +179,8 @@ class TransformersAdapter(Adapter):
                 if (tensor.shape[d] != 1 or (d == 0 and is_metadata(tensor))) and (not cached or tensor.dim() != 4 or d in (0, 2))
             }
             known = _cache_dims(tensor.dim()) if cached else _known_dims(label, tensor.dim())
+            if self.tiles is not None and label == "pixel_values" and tensor.dim() == 4:
+                known = {**known, 0: "tiles"}  # the images' tiles (prepare() packed them)
             for d, name in known.items():  # a known name only where its sizes agree
                 if tensor.shape[d] == 1 and name not in COUNTS:
                     continue  # a length of 1 (a decode step's one token) is another program, never a symbol
@@ -189,6 +195,8 @@ class TransformersAdapter(Adapter):
     def capturing(self, model: torch.nn.Module) -> Iterator[None]:
         owners = [m for m in model.modules() if any(callable(getattr(m, g, None)) for g in FEATURE_GETTERS)]
         with contextlib.ExitStack() as stack:
+            if self.tiles is not None:  # entered first: the per-image pieces wrap its feature getter
+                stack.enter_context(self.tiles.capturing(model))
             stack.enter_context(_accepting_precomputed(model, _vision_encoder(model)))
             stack.enter_context(packed_pieces(owners, FEATURE_GETTERS))
             stack.enter_context(_experts_as_batched_matmuls(model))
@@ -288,7 +296,7 @@ def _cache_dims(rank: int) -> dict[int, str]:
 
 # known names that count independent items (sequences, images, videos): 1 in an example is one of
 # many sizes; every other size of 1 (a decode step's one token, a mask's broadcast head dim) is static
-COUNTS = frozenset({"batch", "images", "videos"})
+COUNTS = frozenset({"batch", "images", "videos", "tiles"})
 
 
 def _known_dims(label: str, rank: int) -> dict[int, str]:
