@@ -24,9 +24,11 @@ import torch
 from fxflops.analysis import Analysis, analyze
 from fxflops.analysis.counted import PHASES, convention_terms
 from fxflops.analysis.paths import ancestors, depth as path_depth
+from fxflops.analysis.segments import derived_family
 from fxflops.analysis.terms import Term, Unsupported
 from fxflops.binder import VALID, Binder, generated, guard_evaluator, python_source
 from fxflops.call_keys import CallKeys
+from fxflops.capture.derived import DerivedSize
 from fxflops.capture.inputs import path_label
 from fxflops.conventions import FLOPCOUNTER, Convention
 from fxflops.errors import GuardError, InputError, MetadataError, UnboundSymbolError
@@ -116,6 +118,7 @@ class Program:
         backward: str = "none",
         prepare: Callable[[tuple, dict], tuple[tuple, dict]] = _identity,
         state: ModelState | None = None,
+        derived: dict[str, DerivedSize] | None = None,
     ) -> None:
         if backward not in BACKWARD_RULES:
             raise ValueError(f"backward must be one of {BACKWARD_RULES}, not {backward!r}")
@@ -123,6 +126,7 @@ class Program:
         self.unsupported = analysis.unsupported
         self.notes = analysis.notes
         self.families = analysis.families
+        self.derived = derived or {}  # symbol name -> the size it is, computed from metadata values (capture/derived.py)
         self.experts = analysis.experts  # MoE expert modules (``analysis/moe.py``)
         self.reused = analysis.reused  # layers billed as repeats of a traced layer (capture/reuse.py)
         self.measured: dict[str, str] = {}  # module -> why its own code is measured per call (fxflops/islands.py)
@@ -166,14 +170,18 @@ class Program:
         flags = (*analysis.flags.values(), *((VALID,) if analysis.flags else ()))
         symbols = tuple(sorted([*captured.symbols.values(), *analysis.power_sums, *analysis.kept_pairs, *flags], key=str))
         forward = model.forward if isinstance(model, torch.nn.Module) else model
-        binder = Binder(
-            forward, captured.input_dims, symbols, analysis.power_sums, strict_metadata, analysis.flags, analysis.kept_pairs
-        )
+        # a derived size is the first power sum of the lengths per_row over its input's rows
+        derived = {sym: size for sym, size in captured.derived.items() if sym in symbols}
+        stats = {**analysis.power_sums, **{sym: (derived_family(size), 1) for sym, size in derived.items()}}
+        binder = Binder(forward, captured.input_dims, symbols, stats, strict_metadata, analysis.flags, analysis.kept_pairs)
         modules = isinstance(model, torch.nn.Module)
         # the model state the trace depended on (fxflops/situation.py)
         state = ModelState(model, captured.reads, captured.copies, captured.grad, captured.constants()) if modules else None
         paths = (n for n, _ in model.named_modules()) if modules else ()
-        return cls(analysis, binder, symbols, captured.guards, paths, backward=backward, prepare=prepare, state=state)
+        return cls(
+            analysis, binder, symbols, captured.guards, paths, backward=backward, prepare=prepare, state=state,
+            derived={str(sym): size for sym, size in derived.items()},
+        )
 
     # ---- compilation to the monomial basis -------------------------------------------------
     def _formulas(self, convention: Convention) -> dict[tuple[str, str], sympy.Expr]:
@@ -249,6 +257,7 @@ class Program:
         return state
 
     def __setstate__(self, state: dict) -> None:
+        state.setdefault("derived", {})  # a program saved before derived sizes existed
         self.__dict__.update(state)
         self._generate()
 
@@ -387,7 +396,7 @@ class Program:
     def power_sums(self) -> dict[str, tuple[str, int]]:
         """Each segment power-sum symbol's name -> (its family's name, k): the symbol is pₖ = Σᵢ sᵢᵏ
         of that family's segment lengths (the binder computes it from the offsets or grid)."""
-        return {str(sym): (family.name, k) for sym, (family, k) in self.binder.stats.items()}
+        return {str(sym): (family.name, k) for sym, (family, k) in self.binder.stats.items() if str(sym) not in self.derived}
 
     @property
     def relations(self) -> list[sympy.Basic]:
@@ -418,6 +427,8 @@ class Program:
         families = {family.name: family for family in self.families}
         for name, (family, k) in self.power_sums.items():
             meaning[name] = f"Σᵢ sᵢ^{k} over {families[family].describe()}"
+        for name, size in self.derived.items():
+            meaning[name] = size.describe()
         for sym, pairs in self.binder.kept_pairs.items():
             window = "" if pairs.window is None else f" with a sliding window of {pairs.window} keys"
             padding = "" if pairs.padding is None else f" for non-zero {path_label(pairs.padding)}"

@@ -31,15 +31,11 @@ import sympy
 import torch
 from torch.utils._sympy.functions import FloorDiv
 
+from fxflops.capture.derived import DerivedSize, column
 from fxflops.capture.graph import op_name
 from fxflops.capture.inputs import Path, path_label
 
 ELEMENT = sympy.Symbol("x", integer=True)  # the element of a 1-D input
-
-
-def column(j: int) -> sympy.Symbol:
-    """Column ``j`` of a row of a 2-D input."""
-    return sympy.Symbol(f"c{j}", integer=True)
 
 
 @dataclass(frozen=True)
@@ -105,6 +101,12 @@ class Family:
         columns = {column(j): sympy.Symbol(f"{label}[:, {j}]") for j in range(64)} | {ELEMENT: sympy.Symbol(label)}
         lengths = f"segments of length {v.expr.xreplace(columns)}"
         return lengths + ("" if w is None else f", {w.expr.xreplace(columns)} of them") + f" per row of {label}"
+
+
+def derived_family(size: DerivedSize) -> Family:
+    """A derived size as a family of one length per row of its input, ``per_row`` (unweighted): the
+    size is that family's p₁, which the binder computes as it computes any power sum."""
+    return Family(Lengths(Rows(size.source, size.per_row)), size.name)
 
 
 class SegmentLengths:

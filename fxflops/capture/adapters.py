@@ -9,8 +9,10 @@ windows that way) gets an adapter that
   so the work is moved, not added);
 - ``dims``: names the call's dims (``batch``, ``seq``, ``patches``) when the user names none;
 - ``per_segment``: the modules to lift per segment (see ``capture/lifting.py``);
+- ``derived_sizes``: sizes the model computes from the values of a metadata input, which no input
+  shape carries (``capture/derived.py``): each a symbol of the capture, computed by the binder per call;
 - ``capturing``: a context held during the capture only, given the module tree the trace runs on
-  (``fxflops/adapters/pieces.py``);
+  and the derived sizes' symbolic values (``fxflops/adapters/pieces.py``);
 - ``same_layer_attributes``: attributes that differ between a stack's layers without changing what
   they compute, so identical layers are still traced once (``capture/reuse.py``).
 
@@ -23,6 +25,8 @@ from __future__ import annotations
 import contextlib
 
 import torch
+
+from fxflops.capture.derived import DerivedSize, TracedSize
 
 
 class Adapter:
@@ -39,7 +43,12 @@ class Adapter:
         """Names for the call's dims when the user gives none; ``None``: every dim ``<argument>_<dim>``."""
         return None
 
-    def capturing(self, model: torch.nn.Module) -> contextlib.AbstractContextManager:
+    def derived_sizes(self, args: tuple, kwargs: dict) -> tuple[DerivedSize, ...]:
+        """The sizes of this (prepared) call that only the values of its metadata carry."""
+        return ()
+
+    def capturing(self, model: torch.nn.Module, sizes: dict[str, TracedSize]) -> contextlib.AbstractContextManager:
         """A context held while capturing ``model`` (the twin of the user's model the trace runs on,
-        ``capture/isolation.py``: changes to it never reach the user's objects)."""
+        ``capture/isolation.py``: changes to it never reach the user's objects); ``sizes``: each
+        derived size's SymInt in the trace, and the fake input it comes from."""
         return contextlib.nullcontext()

@@ -20,6 +20,7 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import _AttrProxy, _ModuleStackTracer, make_fx
 
+from fxflops.capture.derived import TracedSize
 from fxflops.capture.inputs import Path, put
 from fxflops.capture.phases import run_backward, tagging_recompute
 from fxflops.capture.reuse import LayerCalledTwice
@@ -141,6 +142,7 @@ def trace_graph(
     non_leaf: frozenset[int] = frozenset(),
     shapes: dict[int, torch.Size] | None = None,
     roots: tuple[int, ...] | None = None,
+    derived: dict[str, TracedSize] | None = None,
 ) -> torch.fx.GraphModule:
     """``make_fx`` of ``model(*args, **kwargs)`` whose tensors are fakes of ``mode``; with
     ``backward``, also of the backward from its loss or outputs (``backward_roots``; ``capture/phases.py``).
@@ -160,10 +162,17 @@ def trace_graph(
     ``gm.meta["output_structure"]`` keeps the output's pytree spec and its non-tensor leaves.
     ``roots``: the backward starts from these of the output's tensor leaves (by position) instead of
     :func:`backward_roots` (a module inside a measured call: the outputs its caller differentiates).
+    ``derived``: the derived sizes (``capture/derived.py``), graph inputs after the state; while the
+    trace runs, each entry is replaced by the traced SymInt and the traced tensor of its source, which
+    the adapter's stand-ins read from the same dict.
     """
     leaves, tree = pytree.tree_flatten((args, kwargs))
     slots = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
     state = {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers(remove_duplicate=False))}
+    derived = derived if derived is not None else {}
+    derived_names = list(derived)
+    # the flat input holding each derived size's source tensor (a tensor of the call)
+    source_at = {name: _slot_of(size.source, leaves, slots) for name, size in derived.items()}
     shapes = shapes or {}  # sharded parameters of distributed engines: what this rank computes with
     with mode:
         fake_state = [
@@ -180,6 +189,10 @@ def trace_graph(
         call_args, call_kwargs = pytree.tree_unflatten(call_leaves, tree)
         for (holder, steps, fake), tensor in zip(held, flat[len(slots) : len(slots) + len(held)]):
             put(holder, steps, tensor.clone() if id(fake) in non_leaf else tensor)
+        given = len(slots) + len(held) + len(state)
+        for name, symint in zip(derived_names, flat[given:]):
+            derived[name] = TracedSize(symint, call_leaves[slots[source_at[name]]])
+        flat = flat[:given]
         swapped = dict(zip(state, flat[len(slots) + len(held) :]))
         out = torch.func.functional_call(model, swapped, call_args, call_kwargs, tie_weights=False, strict=False)
         out_leaves, spec = pytree.tree_flatten(out)
@@ -196,7 +209,7 @@ def trace_graph(
         with fx_config.patch(backed_size_oblivious=True), no_stack_traces(), _layout_oblivious(), _access_paths_from_the_root(), _attention_flags_as_bools(), _grouped_mm_any_float(), phases, mode:
             gm = make_fx(
                 run, tracing_mode="symbolic", _allow_non_fake_inputs=True, record_module_stack=True
-            )(*(leaves[i] for i in slots), *(fake for _, _, fake in held), *fake_state)
+            )(*(leaves[i] for i in slots), *(fake for _, _, fake in held), *fake_state, *(derived[n].symint for n in derived_names))
         gm.meta["output_structure"] = tuple(structure)  # (pytree spec, leaves with TENSOR for tensors)
         return gm
     except CaptureError as exc:  # fxflops' own refusal inside the model's code: where it ran
@@ -219,6 +232,14 @@ def trace_graph(
             f"{type(exc).__name__}: {str(exc).splitlines()[0]}{hint}",
             module=where,
         ) from exc
+
+
+def _slot_of(tensor: torch.Tensor, leaves: list[Any], slots: list[int]) -> int:
+    """The index among the traced tensor inputs of ``tensor``, one of the call's own tensors."""
+    for k, i in enumerate(slots):
+        if leaves[i] is tensor:
+            return k
+    raise CaptureError("a derived size's source tensor is not one of the call's tensor arguments")
 
 
 def _computing_device(tensor: torch.Tensor, leaves: list[Any]) -> torch.device:

@@ -75,14 +75,18 @@ def symbolic_inputs(
 
 def symbolic_ints(env: BlamingShapeEnv, integers: dict[Path, int], env_syms: dict[str, sympy.Symbol]) -> dict[Path, Any]:
     """A SymInt for every integer an argument object holds, named after its path (added to ``env_syms``)."""
-    symints = {}
-    for path, example in integers.items():
-        name = path_label(path)
-        source = ConstantSource(name)
-        sym = env.create_symbol(example, source, DimDynamic.DYNAMIC, positive=None, do_not_specialize_zero_one=True)
-        symints[path] = env.create_symintnode(sym, hint=example, source=source)
-        env_syms[name] = sym
-    return symints
+    return {path: named_symint(env, path_label(path), example, env_syms) for path, example in integers.items()}
+
+
+def named_symint(env: BlamingShapeEnv, name: str, example: int, env_syms: dict[str, sympy.Symbol]) -> torch.SymInt:
+    """A SymInt of a new symbol ``name`` with the example value ``example`` as its hint (added to
+    ``env_syms``): an integer input's, or a derived size's (``capture/derived.py``)."""
+    if name in env_syms:
+        raise InputError(f"two sizes of the call are both named {name!r}")
+    source = ConstantSource(name)
+    sym = env.create_symbol(example, source, DimDynamic.DYNAMIC, positive=None, do_not_specialize_zero_one=True)
+    env_syms[name] = sym
+    return env.create_symintnode(sym, hint=example, source=source)
 
 
 def check_free(env: BlamingShapeEnv, env_syms: dict[str, sympy.Symbol], strict: bool) -> dict:

@@ -24,9 +24,10 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fxflops.capture.adapters import Adapter
+from fxflops.capture.derived import DerivedSize, TracedSize
 from fxflops.capture.engines import compute_shapes, engines_left_alone
 from fxflops.capture.graph import trace_graph
-from fxflops.capture.inputs import DimSpec, Path, bind_call, held_ints, is_metadata, resolve_dims, tensor_leaves
+from fxflops.capture.inputs import DimSpec, Path, bind_call, held_ints, is_metadata, path_label, resolve_dims, tensor_leaves
 from fxflops.capture.isolation import isolated_call, preserving_state, twin_of
 from fxflops.capture.lifting import Lifted, install_stand_ins, lifted_paths
 from fxflops.capture.reads import Reads, recording_reads
@@ -34,7 +35,8 @@ from fxflops.capture.reuse import LayerCalledTwice, Reuse, reusing_repeated_laye
 from fxflops.capture.scope import capture_scope
 from fxflops.capture.shape_env import BlamingShapeEnv
 from fxflops.capture.symbols import (
-    Guard, check_free, guards_of, held_inputs, held_paths, in_public_symbols, named_symbol, symbolic_inputs, symbolic_ints,
+    Guard, check_free, guards_of, held_inputs, held_paths, in_public_symbols, named_symbol, named_symint, symbolic_inputs,
+    symbolic_ints,
 )
 from fxflops.errors import CaptureError
 
@@ -56,6 +58,7 @@ class Captured:
     reused: dict[str, str] = field(default_factory=dict)  # layer path -> the traced layer it repeats
     reads: Reads = field(default_factory=Reads)  # model attributes the trace read (capture/reads.py)
     copies: dict[str, str] = field(default_factory=dict)  # module path -> the traced module it is billed as
+    derived: dict[sympy.Symbol, DerivedSize] = field(default_factory=dict)  # sizes the binder computes from metadata values
     grad: bool = True  # grad mode the trace ran in
     assumptions_at_capture: tuple[int, int] = field(init=False)
 
@@ -109,24 +112,29 @@ def _attaching(reads: Reads) -> Iterator[None]:
 def _trace_once(
     model: torch.nn.Module, call: tuple[tuple, dict], tensors: dict[Path, torch.Tensor], integers: dict[Path, int],
     specs: list[DimSpec], reusing: bool, backward: bool, adapter: Adapter, per_segment: dict[str, str], reads: Reads,
-    shapes: dict[int, torch.Size], roots: tuple[int, ...] | None,
+    shapes: dict[int, torch.Size], roots: tuple[int, ...] | None, derived: dict[str, tuple[Path, int]],
 ) -> _Trace:
-    """The call traced with ``specs`` free (and repeated layers reused when ``reusing``)."""
+    """The call traced with ``specs`` free (and repeated layers reused when ``reusing``); ``derived``:
+    the derived sizes' example values, each a symbol the adapter's stand-ins receive."""
     env = BlamingShapeEnv()
     mode = FakeTensorMode(shape_env=env, allow_non_fake_inputs=True)
     fakes, env_syms = symbolic_inputs(env, mode, tensors, specs)
     symints = symbolic_ints(env, integers, env_syms)
+    sizes = {
+        name: TracedSize(named_symint(env, name, example, env_syms), fakes[source])
+        for name, (source, example) in derived.items()
+    }
     fake_by_id = {id(tensors[path]): fake for path, fake in fakes.items()}
     args, kwargs = pytree.tree_map(lambda v: fake_by_id.get(id(v), v) if isinstance(v, torch.Tensor) else v, call)
     held = held_inputs(bind_call(model.forward, args, kwargs), {**fakes, **symints})
     non_leaf = frozenset(id(fakes[path]) for path, t in tensors.items() if t.requires_grad and not t.is_leaf)
     twin = twin_of(model)  # the trace runs on, and writes to, its own copy of the module tree
     tree, ignored = twin.model, adapter.same_layer_attributes
-    with recording_reads(tree, reads, twin.originals), engines_left_alone(tree), adapter.capturing(tree), \
+    with recording_reads(tree, reads, twin.originals), engines_left_alone(tree), adapter.capturing(tree, sizes), \
             install_stand_ins(tree, per_segment, backward, ignored, shapes) as lifted:
         skip = set(lifted_paths(tree, per_segment))
         with reusing_repeated_layers(tree, skip, backward, reusing, ignored) as reuse:
-            gm = trace_graph(tree, mode, args, kwargs, backward, held, non_leaf, shapes, roots)
+            gm = trace_graph(tree, mode, args, kwargs, backward, held, non_leaf, shapes, roots, sizes)
     return _Trace(gm, env, env_syms, fakes, symints, lifted, reuse)
 
 
@@ -186,6 +194,10 @@ def capture(
     per_segment = {**adapter.per_segment, **(per_segment or {})}
     named = bind_call(model.forward, args, kwargs)
     tensors = tensor_leaves(named)
+    derived = {size.name: size for size in adapter.derived_sizes(args, kwargs)}
+    for size in derived.values():
+        if size.source not in tensors:
+            raise CaptureError(f"derived size {size.name!r} needs input {path_label(size.source)!r}, which the call lacks")
     specs = resolve_dims(dims, tensors)
     size_one = [  # with dims=None, automatic size-1 dims (not metadata rows: sequences, images, never pinned)
         spec for spec in specs
@@ -200,6 +212,7 @@ def capture(
                 model, (args, kwargs), tensors, held_ints(named), specs, size_one,
                 backward=backward, adapter=adapter, per_segment=per_segment, reads=reads, roots=roots,
                 shapes=compute_shapes(model),  # sharded parameters: what this rank computes with
+                derived={name: (size.source, size.value(tensors[size.source])) for name, size in derived.items()},
             )
 
     # in an empty context (the capture scope's own state set inside it): context variables of a call
@@ -209,13 +222,19 @@ def capture(
     pinned = check_free(trace.env, trace.env_syms, strict=dims is not None and not allow_pins)
     env_to_named = {sym: named_symbol(name) for name, sym in trace.env_syms.items()}
     public = functools.partial(in_public_symbols, trace.env, env_to_named)
+    # a derived size the trace fixed (an example of one patch) stays a symbol the binder computes, and
+    # the program holds only for calls with that value: a guard
+    fixed = [
+        Guard(sympy.Eq(named_symbol(name), public(pinned[name])), f"derived size {name} fixed by the traced code")
+        for name in sorted(set(pinned) & set(derived))
+    ]
     path_of = {id(tensor): path for path, tensor in tensors.items()}
     return Captured(
         graph_module=trace.graph_module,
         shape_env=trace.env,
-        symbols={name: named_symbol(name) for name in trace.env_syms if name not in pinned},
+        symbols={name: named_symbol(name) for name in trace.env_syms if name not in pinned or name in derived},
         env_to_named=env_to_named,
-        guards=guards_of(trace.env, env_to_named),
+        guards=guards_of(trace.env, env_to_named) + fixed,
         input_dims={path: tuple(public(size) for size in fake.shape) for path, fake in trace.fakes.items()}
         | {path: public(symint.node.expr) for path, symint in trace.symints.items()},
         placeholder_paths=[
@@ -226,5 +245,6 @@ def capture(
         reused=trace.reuse.templates,
         reads=reads,
         copies={**trace.reuse.templates, **{path: l.path for path, l in trace.lifted.items() if l.path != path}},
+        derived={named_symbol(name): size for name, size in derived.items()},
         grad=torch.is_grad_enabled(),
     )
