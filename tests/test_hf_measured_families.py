@@ -1,7 +1,7 @@
 """Hugging Face VLM families whose symbolic capture fails inside a module (data-dependent Python
 code: loops over ``image_sizes``, ``.tolist()`` splits, ``if mask.any():``), counted exactly all the
-same by measured islands (``fxflops/islands.py``): Idefics3, SmolVLM,
-Mistral3 (Pixtral tower), Ovis2, Phi-4-multimodal (image only) and Emu3 (VQ-VAE image tokenizer).
+same by measured islands (``fxflops/islands.py``): Idefics3, SmolVLM, Ovis2, Phi-4-multimodal
+(image only) and Emu3 (VQ-VAE image tokenizer). Mistral 3 counts symbolically: ``test_hf_patch_grids.py``.
 
 Each family is a tiny random-weight model built here with ``attn_implementation="eager"`` (attention
 as explicit matmuls, which FlopCounterMode counts) and called on random microbatches laid out as its
@@ -139,46 +139,6 @@ def idefics3_batch(model, rng: random.Random, images: bool) -> dict:
 def build_smolvlm() -> torch.nn.Module:
     """Idefics3's layout (SmolVLM's classes): 4 tokens per 32px frame; Llama text."""
     return build_idefics3("SmolVLM")
-
-
-# --- Mistral3 (Pixtral tower) ----------------------------------------------------------------------
-
-PIXTRAL_PATCH, MERGE = 8, 2
-IMG_BREAK, IMG_END = 40, 41
-
-
-def build_mistral3() -> torch.nn.Module:
-    """Pixtral tower (patch 8, 2D RoPE, up to 64px, block-diagonal attention over the images), 2x2
-    patch merger: one token per 16x16 px; Mistral text."""
-    import transformers
-
-    config = transformers.Mistral3Config(
-        vision_config=dict(model_type="pixtral", hidden_size=32, intermediate_size=64, num_attention_heads=4,
-                           num_hidden_layers=2, image_size=64, patch_size=PIXTRAL_PATCH, head_dim=8),
-        text_config=dict(TEXT, model_type="mistral", head_dim=16, sliding_window=None),
-        image_token_index=IMAGE, spatial_merge_size=MERGE, vision_feature_layer=-1)
-    return eager(transformers.Mistral3ForConditionalGeneration, config)
-
-
-def mistral3_batch(model, rng: random.Random, images: bool) -> dict:
-    """1-4 images of random sizes (h, w multiples of 16 px, 16-64), pixel_values (images, 3, max h, max
-    w) zero padded, image_sizes (images, 2); per image: rows of [IMG] x (w/16) each ended by
-    [IMG_BREAK], the last by [IMG_END]."""
-    batch = rng.randint(1, 3)
-    step = PIXTRAL_PATCH * MERGE
-    sizes = [(step * rng.randint(1, 4), step * rng.randint(1, 4)) for _ in range(rng.randint(1, 4) if images else 0)]
-    blocks = []
-    for h, w in sizes:
-        rows = [[IMAGE] * (w // step) + [IMG_BREAK] for _ in range(h // step)]
-        rows[-1][-1] = IMG_END
-        blocks.append(sum(rows, []))
-    call = sequences_with(rng, batch, blocks, owners_of(rng, batch, len(sizes)))
-    if not sizes:
-        return call
-    pixel_values = torch.zeros(len(sizes), 3, max(h for h, _ in sizes), max(w for _, w in sizes))
-    for i, (h, w) in enumerate(sizes):
-        pixel_values[i, :, :h, :w] = torch.randn(3, h, w)
-    return dict(call, pixel_values=pixel_values, image_sizes=torch.tensor(sizes))
 
 
 # --- Ovis2 ----------------------------------------------------------------------------------------
@@ -340,8 +300,6 @@ class Family:
 FAMILIES = {  # the measured modules: where each family's data-dependent line is
     "idefics3": Family(build_idefics3, idefics3_batch, ("model",)),  # pixel_values[real_images_inds]
     "smolvlm": Family(build_smolvlm, idefics3_batch, ("model",)),  # pixel_values[real_images_inds]
-    "mistral3": Family(  # Pixtral: position embeddings sliced by image_sizes; the patch merger: unfold per image
-        build_mistral3, mistral3_batch, ("model.vision_tower", "model.multi_modal_projector.patch_merger")),
     "ovis2": Family(build_ovis2, ovis2_batch, ("model",)),  # if mask.any(): per visual indicator
     "phi4_multimodal": Family(  # if (input_ids == image_token_id).any(); sub_img[:area_ratio] per image
         build_phi4_multimodal, phi4_batch, ("model.embed_tokens_extend", "model.embed_tokens_extend.image_embed"),

@@ -43,8 +43,10 @@ import torch
 from fxflops.analysis.paths import inside
 from fxflops.capture.adapters import Adapter
 from fxflops.capture.inputs import bind_call, held_root, is_metadata, path_label, tensor_leaves
+from fxflops.adapters.patch_grids import PatchGrids
 from fxflops.adapters.pieces import packed_pieces
 from fxflops.adapters.tiles import AnyresTiles
+from fxflops.capture.derived import DerivedSize, TracedSize
 from fxflops.errors import CaptureError, MetadataError
 
 FEATURE_GETTERS = ("get_image_features", "get_video_features")
@@ -98,6 +100,7 @@ class TransformersAdapter(Adapter):
         self._derived_by_grid: dict[tuple, dict[str, Any]] = {}  # _vision_metadata's cache
         self._signature = inspect.signature(model.forward)  # kept: prepare() binds calls on the hot path
         self.tiles = AnyresTiles.of(model, self._signature)  # images cut into tiles by their sizes (adapters/tiles.py)
+        self.grids = PatchGrids.of(model, self._signature)  # patch grids cut by image sizes (adapters/patch_grids.py)
         self._rope_parameters = _parameters(self.rope.get_rope_index) if self.rope is not None else set()
         positional = list(_parameters(model.forward, ordered=True))
         # a call reaching a grid only past this many positional arguments: a quick "no media" test
@@ -188,13 +191,24 @@ class TransformersAdapter(Adapter):
                     names[d] = name
             if label in PIXEL_ARGUMENTS and tensor.dim() == 2:
                 del names[1]  # values per patch (channels x temporal x patch²): fixed by the config
+            if label == "image_sizes" and tensor.dim() == 2:
+                names.pop(1, None)  # (height, width) of each image: two columns
             named[label] = names
         return named
 
+    def derived_sizes(self, args: tuple, kwargs: dict) -> tuple[DerivedSize, ...]:
+        """The patches a Pixtral-style tower keeps of its padded images, and its merger's windows
+        (``adapters/patch_grids.py``), where the model has them."""
+        if self.grids is None:
+            return ()
+        return self.grids.derived_sizes(bind_call(self.model.forward, args, kwargs, self._signature))
+
     @contextlib.contextmanager
-    def capturing(self, model: torch.nn.Module) -> Iterator[None]:
+    def capturing(self, model: torch.nn.Module, sizes: dict[str, TracedSize]) -> Iterator[None]:
         owners = [m for m in model.modules() if any(callable(getattr(m, g, None)) for g in FEATURE_GETTERS)]
         with contextlib.ExitStack() as stack:
+            if self.grids is not None:
+                stack.enter_context(self.grids.capturing(model, sizes))
             if self.tiles is not None:  # entered first: the per-image pieces wrap its feature getter
                 stack.enter_context(self.tiles.capturing(model))
             stack.enter_context(_accepting_precomputed(model, _vision_encoder(model)))
@@ -303,6 +317,8 @@ def _known_dims(label: str, rank: int) -> dict[int, str]:
     """Readable names for the dims of the arguments every VLM family shares."""
     if label in TEXT_ARGUMENTS and rank >= 2:
         return {0: "batch", 1: "seq"}
+    if label == "image_sizes" and rank == 2:
+        return {0: "images"}
     if label == "position_ids":
         return {0: "batch", 1: "seq"} if rank == 2 else {1: "batch", 2: "seq"} if rank == 3 else {}
     for pixels, name in PIXEL_ARGUMENTS.items():
