@@ -30,6 +30,7 @@ import torch
 from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP
 from torch.utils._sympy.printers import PythonPrinter
 
+from fxflops.capture.derived import NonZeroRows
 from fxflops.capture.inputs import Attr, Path, bind_call, path_label
 from fxflops.analysis.masks import KeptPairs
 from fxflops.analysis.segments import ELEMENT, Family, column
@@ -108,6 +109,7 @@ class Binder:
         strict_metadata: bool = False,
         flags: dict[str, sympy.Symbol] | None = None,
         kept_pairs: dict[sympy.Symbol, KeptPairs] | None = None,
+        counts: dict[sympy.Symbol, NonZeroRows] | None = None,
     ) -> None:
         self._signature = inspect.signature(forward)
         self._forward = forward
@@ -119,6 +121,7 @@ class Binder:
         # device is malformed, and VALID: 0 when any is (see ``_stat_lines``)
         self.flags = flags or {}
         self.kept_pairs = kept_pairs or {}  # attention masks' kept triples, from their padding inputs
+        self.counts = counts or {}  # derived sizes counted from an input's values (capture/derived.py)
         # CPU metadata is read on the host (no device involved). False computes it with tensor ops
         # as on an accelerator: the same code path, so it can be checked on a CPU-only machine.
         self.host_metadata = True
@@ -146,6 +149,10 @@ class Binder:
         state["_by_layout"] = {}  # generated readers are rebuilt on first use
         state["_weights"] = {}
         return state
+
+    def __setstate__(self, state: dict) -> None:
+        state.setdefault("counts", {})  # a binder saved before derived counts existed
+        self.__dict__.update(state)
 
     def _accessor(self, path: Path, positions: dict[str, str]) -> str:
         """Source text reaching the tensor at ``path`` from ``args``/``kwargs``."""
@@ -228,6 +235,17 @@ class Binder:
         if self.flags:
             valid = " * ".join(f"(1 - {var[s]})" for s in self.flags.values())
             lines.append(f"    {var[VALID]} = {valid}")
+        return lines
+
+    def _count_lines(self, positions: dict[str, str], var: dict[sympy.Symbol, str]) -> list[str]:
+        """Code computing each derived count (``NonZeroRows.count``: an int for a CPU input, a 0-d
+        tensor on the input's device otherwise)."""
+        lines = []
+        for i, sym in enumerate(sorted(self.counts, key=str)):
+            source = self.counts[sym].source
+            if source[0] not in positions:
+                raise InputError(f"the call lacks input {path_label(source)!r} that size {sym} is counted from")
+            lines.append(f"    {var[sym]} = _counts[{i}].count({self._accessor(source, positions)}, _binder.host_metadata)")
         return lines
 
     def _pair_lines(self, positions: dict[str, str], var: dict[sympy.Symbol, str]) -> list[str]:
@@ -383,12 +401,12 @@ class Binder:
                 test = " or ".join(f"t{j}[{d}] != {python_source(e, var)}" for d, e in expected.items())
                 wants = ", ".join(f"({d}, {python_source(e, var)}, {str(e)!r})" for d, e in expected.items())
                 checks.append(f"    if {test}: _fail_dims({label!r}, t{j}, ({wants},))")
-        computed = set(self.stats) | set(self.kept_pairs) | set(self.flags.values()) | ({VALID} if self.flags else set())
+        computed = set(self.stats) | set(self.kept_pairs) | set(self.counts) | set(self.flags.values()) | ({VALID} if self.flags else set())
         unread = [str(s) for s in self.symbols if s not in reads and s not in computed]
         if unread:
             raise InputError(f"no input dimension carries symbol(s) {unread}")
         # all reads first (shape lookups), then the checks that may use any symbol, then segments
-        body = lines + checks + self._stat_lines(positions, var) + self._pair_lines(positions, var)
+        body = lines + checks + self._stat_lines(positions, var) + self._pair_lines(positions, var) + self._count_lines(positions, var)
         body.append(f"    return ({', '.join(var[s] for s in self.symbols)}{',' if self.symbols else ''})")
         source = "def read(args, kwargs):\n" + "\n".join(body) + "\n"
         scope = generated(
@@ -401,6 +419,7 @@ class Binder:
             _check_device=_check_device,
             _fail_segments=_fail_segments,
             _binder=self,
+            _counts=[self.counts[sym] for sym in sorted(self.counts, key=str)],
             _mul=operator.mul,
             torch=torch,
         )

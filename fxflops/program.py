@@ -28,7 +28,7 @@ from fxflops.analysis.segments import derived_family
 from fxflops.analysis.terms import Term, Unsupported
 from fxflops.binder import VALID, Binder, generated, guard_evaluator, python_source
 from fxflops.call_keys import CallKeys
-from fxflops.capture.derived import DerivedSize
+from fxflops.capture.derived import DerivedSize, NonZeroRows, RowSum
 from fxflops.capture.inputs import path_label
 from fxflops.conventions import FLOPCOUNTER, Convention
 from fxflops.errors import GuardError, InputError, MetadataError, UnboundSymbolError
@@ -170,10 +170,15 @@ class Program:
         flags = (*analysis.flags.values(), *((VALID,) if analysis.flags else ()))
         symbols = tuple(sorted([*captured.symbols.values(), *analysis.power_sums, *analysis.kept_pairs, *flags], key=str))
         forward = model.forward if isinstance(model, torch.nn.Module) else model
-        # a derived size is the first power sum of the lengths per_row over its input's rows
+        # a row sum is the first power sum of its lengths per_row over its input's rows; a count of
+        # non-zero rows the binder takes from the size itself (capture/derived.py)
         derived = {sym: size for sym, size in captured.derived.items() if sym in symbols}
-        stats = {**analysis.power_sums, **{sym: (derived_family(size), 1) for sym, size in derived.items()}}
-        binder = Binder(forward, captured.input_dims, symbols, stats, strict_metadata, analysis.flags, analysis.kept_pairs)
+        sums = {sym: (derived_family(size), 1) for sym, size in derived.items() if isinstance(size, RowSum)}
+        counts = {sym: size for sym, size in derived.items() if isinstance(size, NonZeroRows)}
+        binder = Binder(
+            forward, captured.input_dims, symbols, {**analysis.power_sums, **sums}, strict_metadata, analysis.flags,
+            analysis.kept_pairs, counts,
+        )
         modules = isinstance(model, torch.nn.Module)
         # the model state the trace depended on (fxflops/situation.py)
         state = ModelState(model, captured.reads, captured.copies, captured.grad, captured.constants()) if modules else None

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from torch.utils._sympy.functions import FloorDiv
 
-from fxflops.capture.derived import DerivedSize, TracedSize, column
+from fxflops.capture.derived import RowSum, TracedSize, column
 from fxflops.errors import CaptureError
 
 PATCHES, MERGED = "image_patches", "merged_image_patches"
@@ -100,15 +100,15 @@ class PatchGrids:
         (merger, merging), = mergers
         return cls(tower, module.patch_size, merger, merging.spatial_merge_size)
 
-    def derived_sizes(self, call: dict[str, Any]) -> tuple[DerivedSize, ...]:
+    def derived_sizes(self, call: dict[str, Any]) -> tuple[RowSum, ...]:
         """N (and M with a merger) of a call with 4-D ``pixel_values`` and 2-D ``image_sizes``."""
         pixels, sizes = call.get("pixel_values"), call.get(SIZES)
         if not (isinstance(pixels, torch.Tensor) and pixels.dim() == 4 and isinstance(sizes, torch.Tensor) and sizes.dim() == 2):
             return ()
         h, w = FloorDiv(column(0), self.patch), FloorDiv(column(1), self.patch)
-        found = [DerivedSize(PATCHES, (SIZES,), h * w)]
+        found = [RowSum(PATCHES, (SIZES,), h * w)]
         if self.merger is not None:
-            found.append(DerivedSize(MERGED, (SIZES,), FloorDiv(h, self.merge) * FloorDiv(w, self.merge)))
+            found.append(RowSum(MERGED, (SIZES,), FloorDiv(h, self.merge) * FloorDiv(w, self.merge)))
         return tuple(found)
 
     @contextlib.contextmanager

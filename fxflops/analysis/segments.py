@@ -31,7 +31,7 @@ import sympy
 import torch
 from torch.utils._sympy.functions import FloorDiv
 
-from fxflops.capture.derived import DerivedSize, column
+from fxflops.capture.derived import RowSum, column
 from fxflops.capture.graph import op_name
 from fxflops.capture.inputs import Path, path_label
 
@@ -103,7 +103,7 @@ class Family:
         return lengths + ("" if w is None else f", {w.expr.xreplace(columns)} of them") + f" per row of {label}"
 
 
-def derived_family(size: DerivedSize) -> Family:
+def derived_family(size: RowSum) -> Family:
     """A derived size as a family of one length per row of its input, ``per_row`` (unweighted): the
     size is that family's p₁, which the binder computes as it computes any power sum."""
     return Family(Lengths(Rows(size.source, size.per_row)), size.name)

@@ -1,19 +1,24 @@
-"""Derived sizes: a size the model computes from the *values* of a metadata input, which no input
-shape carries, made a symbol of the capture.
+"""Derived sizes: a size the model computes from the *values* of an input, which no input shape
+carries, made a symbol of the capture.
 
 A Pixtral vision tower keeps, of each padded image i, the ⌊hᵢ/p⌋ × ⌊wᵢ/p⌋ patches its
 ``image_sizes`` row describes, and runs its transformer on all of them as one sequence: the
 transformer's work is a polynomial in N = Σᵢ ⌊hᵢ/p⌋·⌊wᵢ/p⌋, a sum over the rows of ``image_sizes``
-of an expression in the row's columns. Such a size is a :class:`DerivedSize`: the family's adapter
-declares it (``Adapter.derived_sizes``), the capture creates a symbol for it with the example call's
-value as its hint (``capture/symbols.py``), the adapter's capture-time stand-ins size the tensors with
-it, and the binder computes it from the input per call as it computes a segment family's first
-power sum (p₁ = Σ over rows of an expression in the row's columns: ``analysis/segments.py`` and
-``binder.py``), on the host for a CPU input, with tensor ops on its device otherwise.
+of an expression in the row's columns (:class:`RowSum`). An Idefics3 / SmolVLM model drops the
+padding frames of its ``pixel_values`` (frames all zero) and runs its vision tower on the R real
+ones: a count of the rows of ``pixel_values`` that are not all zero (:class:`NonZeroRows`).
+
+The family's adapter declares such a size (``Adapter.derived_sizes``), the capture creates a symbol
+for it with the example call's value as its hint (``capture/symbols.py``), the adapter's
+capture-time stand-ins size the tensors with it, and the binder computes it from the input per call:
+a :class:`RowSum` as a segment family's first power sum (``analysis/segments.py``, ``binder.py``),
+a :class:`NonZeroRows` with its own :meth:`NonZeroRows.count`; on the host for a CPU input, with
+tensor ops on its device otherwise (no host sync).
 """
 
 from __future__ import annotations
 
+import abc
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -30,15 +35,35 @@ def column(j: int) -> sympy.Symbol:
 
 
 @dataclass(frozen=True)
-class DerivedSize:
-    """``name`` = Σ over the rows of the input at ``source`` of ``per_row`` (in :func:`column` symbols)."""
+class DerivedSize(abc.ABC):
+    """A size named ``name``, computed from the values of the input at ``source``; a program
+    captured with it holds for calls where it is at least ``minimum`` (what the adapter's
+    stand-ins handle: a guard of the program)."""
 
     name: str
     source: Path
+
+    @property
+    def minimum(self) -> int:
+        return 0
+
+    @abc.abstractmethod
+    def value(self, tensor: torch.Tensor) -> int:
+        """The size for one call's input (read on the host: at capture, and for CPU inputs)."""
+
+    @abc.abstractmethod
+    def describe(self) -> str:
+        """In words, for ``program.describe_symbols()``."""
+
+
+@dataclass(frozen=True)
+class RowSum(DerivedSize):
+    """``name`` = Σ over the rows of the 2-D integer input at ``source`` of ``per_row`` (an
+    expression in :func:`column` symbols)."""
+
     per_row: sympy.Expr
 
     def value(self, metadata: torch.Tensor) -> int:
-        """The size for one call's ``metadata`` (a 2-D integer tensor; read on the host)."""
         if metadata.dim() != 2 or metadata.dtype.is_floating_point or metadata.dtype.is_complex:
             raise MetadataError(f"{path_label(self.source)} must be a 2-D integer tensor to derive {self.name}")
         total = 0
@@ -50,10 +75,37 @@ class DerivedSize:
         return total
 
     def describe(self) -> str:
-        """In words, for ``program.describe_symbols()``."""
         label = path_label(self.source)
         columns = {column(j): sympy.Symbol(f"{label}[i, {j}]") for j in range(8)}
         return f"the sum over the rows i of {label} of {self.per_row.xreplace(columns)}"
+
+
+@dataclass(frozen=True)
+class NonZeroRows(DerivedSize):
+    """``name`` = the rows of the input at ``source`` (its first ``lead`` dims flattened: one row per
+    frame of a (batch, frames, C, H, W) input) holding any non-zero value; programs hold for calls
+    with at least ``least`` of them."""
+
+    lead: int = 2
+    least: int = 0
+
+    def count(self, tensor: torch.Tensor, host: bool) -> int | torch.Tensor:
+        """The size as an int on the host for a CPU input (when ``host``); else a 0-d tensor on the
+        input's device (no host sync)."""
+        if tensor.dim() <= self.lead:
+            raise MetadataError(f"{path_label(self.source)} needs more than {self.lead} dims to derive {self.name}, not {tensor.dim()}")
+        rows = tensor.detach().flatten(0, self.lead - 1).flatten(1).ne(0).any(1).sum()
+        return int(rows) if host and tensor.is_cpu else rows
+
+    @property
+    def minimum(self) -> int:
+        return self.least
+
+    def value(self, tensor: torch.Tensor) -> int:
+        return int(self.count(tensor, host=True))
+
+    def describe(self) -> str:
+        return f"the rows of {path_label(self.source)} (its first {self.lead} dims flattened) not all zero"
 
 
 class TracedSize(NamedTuple):

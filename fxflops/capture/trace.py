@@ -227,6 +227,9 @@ def capture(
     fixed = [
         Guard(sympy.Eq(named_symbol(name), public(pinned[name])), f"derived size {name} fixed by the traced code")
         for name in sorted(set(pinned) & set(derived))
+    ] + [
+        Guard(sympy.Ge(named_symbol(name), size.minimum), f"derived size {name}: the adapter's stand-ins need at least {size.minimum}")
+        for name, size in sorted(derived.items()) if size.minimum > 0
     ]
     path_of = {id(tensor): path for path, tensor in tensors.items()}
     return Captured(
