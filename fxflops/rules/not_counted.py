@@ -33,7 +33,7 @@ _NOT_COUNTED_NAMES = frozenset(
     "upsample_bilinear2d upsample_bicubic2d upsample_linear1d upsample_trilinear3d "
     "_upsample_nearest_exact2d grid_sampler_2d "
     # cumulative ops, sorting, selection
-    "cumsum cumprod logcumsumexp sort topk kthvalue median searchsorted "
+    "cumsum cumprod logcumsumexp sort topk kthvalue median searchsorted bucketize "
     # data movement, creation, copies
     "cat stack split_with_sizes _to_copy copy copy_ clone contiguous repeat repeat_interleave roll flip "
     "constant_pad_nd reflection_pad1d reflection_pad2d replication_pad2d tril triu "
