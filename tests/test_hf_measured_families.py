@@ -1,7 +1,8 @@
 """Hugging Face VLM families whose symbolic capture fails inside a module (data-dependent Python
 code: loops over ``image_sizes``, ``.tolist()`` splits, ``if mask.any():``), counted exactly all the
-same by measured islands (``fxflops/islands.py``): Idefics3, SmolVLM, Ovis2, Phi-4-multimodal
-(image only) and Emu3 (VQ-VAE image tokenizer). Mistral 3 counts symbolically: ``test_hf_patch_grids.py``.
+same by measured islands (``fxflops/islands.py``): Ovis2, Phi-4-multimodal (image only) and Emu3
+(VQ-VAE image tokenizer). Mistral 3 counts symbolically (``test_hf_patch_grids.py``), and so do
+Idefics3 and SmolVLM, whose builders live here (``test_hf_frames.py``).
 
 Each family is a tiny random-weight model built here with ``attn_implementation="eager"`` (attention
 as explicit matmuls, which FlopCounterMode counts) and called on random microbatches laid out as its
@@ -298,8 +299,6 @@ class Family:
 
 
 FAMILIES = {  # the measured modules: where each family's data-dependent line is
-    "idefics3": Family(build_idefics3, idefics3_batch, ("model",)),  # pixel_values[real_images_inds]
-    "smolvlm": Family(build_smolvlm, idefics3_batch, ("model",)),  # pixel_values[real_images_inds]
     "ovis2": Family(build_ovis2, ovis2_batch, ("model",)),  # if mask.any(): per visual indicator
     "phi4_multimodal": Family(  # if (input_ids == image_token_id).any(); sub_img[:area_ratio] per image
         build_phi4_multimodal, phi4_batch, ("model.embed_tokens_extend", "model.embed_tokens_extend.image_embed"),

@@ -64,8 +64,12 @@ def check_random_microbatches(family: str, attn: str, batches: int, references: 
 
 
 # Qwen2.5-VL (Qwen2-VL's tower with windows) and Qwen3-VL-MoE (Qwen3-VL's with MoE text layers) run
-# in the long suite's many-batch test only: the default suite stays within its time.
-@pytest.mark.parametrize("family", [f for f in hf_zoo.FAMILIES if f not in ("qwen2_5_vl", "qwen3_vl_moe")])
+# in the long suite's many-batch test only, Gemma 3 and LLaVA-SigLIP here in the long suite (the
+# default suite counts them exactly in test_hf_situations' mixed batches): it stays within its time.
+@pytest.mark.parametrize("family", [
+    pytest.param(f, marks=pytest.mark.long) if f in ("gemma3", "llava_siglip") else f
+    for f in hf_zoo.FAMILIES if f not in ("qwen2_5_vl", "qwen3_vl_moe")
+])
 def test_zero_config_counts_equal_flop_counter_per_module(family, references):
     check_random_microbatches(family, "sdpa", BATCHES, references)
 
@@ -170,11 +174,13 @@ def test_plain_models_get_no_adapter():
     assert type(adapter_for(TinyGPT(GPTConfig()))) is Adapter
 
 
-def test_a_family_whose_image_count_is_data_is_measured_not_miscounted():
+def test_a_family_whose_image_count_is_data_counts_it_or_is_measured_never_miscounted():
     """SmolVLM keeps the image slots whose pixels are not all zero: the vision tower's batch is data.
-    A symbolic trace refuses it; ``instrument`` measures the base model's own code and counts the
-    tower, connector and text model by their own programs (= FlopCounterMode); ``measure=False``
-    refuses it."""
+    Its adapter counts those frames as a derived size (``adapters/frames.py``): ``fxflops.trace``
+    captures it symbolically. A batch whose every slot is zero (SmolVLM then runs its first slot
+    anyway) is outside that: a symbolic trace refuses it naming the base model; ``instrument``
+    measures the base model's own code and counts the tower, connector and text model by their own
+    programs (= FlopCounterMode); ``measure=False`` refuses it."""
     import transformers  # the module already skips without it (never in CI: the test extra has it)
     config = transformers.SmolVLMConfig(
         vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4, image_size=32, patch_size=8),
@@ -187,16 +193,20 @@ def test_a_family_whose_image_count_is_data_is_measured_not_miscounted():
     model = transformers.SmolVLMForConditionalGeneration(config).eval()
     ids = torch.cat([torch.full((1, 3), 5), torch.full((1, 4), 250), torch.full((1, 4), 6)], 1)
     batch = dict(input_ids=ids, pixel_values=torch.randn(1, 1, 3, 32, 32))
+    program = fxflops.trace(model, kwargs=batch)
+    assert "image_frames" in program.derived and not program.unsupported
+    assert program.count(**batch) == flop_counter_modules(model, batch, backward=False)[""] > 0
+    padding = dict(batch, pixel_values=torch.zeros(1, 1, 3, 32, 32))
     with pytest.raises(fxflops.CaptureError, match=r"patch_embedding.*data-dependent.*made in module 'model'"):
-        fxflops.trace(model, kwargs=batch)
+        fxflops.trace(model, kwargs=padding)
     refusing = fxflops.instrument(model, measure=False)
     with pytest.warns(UserWarning, match="not counted"), torch.no_grad():
-        refusing(**batch)
+        refusing(**padding)
     assert refusing.flops.uncounted == 1 and refusing.flops.total() == 0
     wrapper = fxflops.instrument(model, strict=True)
     with torch.no_grad():
-        wrapper(**batch)
-    assert wrapper.flops.total() == flop_counter_modules(model, batch, backward=False)[""] > 0
+        wrapper(**padding)
+    assert wrapper.flops.total() == flop_counter_modules(model, padding, backward=False)[""] > 0
     assert list(wrapper.measured) == ["model"]  # the base model's own code: the tower, connector, text model symbolic
 
 

@@ -43,6 +43,7 @@ import torch
 from fxflops.analysis.paths import inside
 from fxflops.capture.adapters import Adapter
 from fxflops.capture.inputs import bind_call, held_root, is_metadata, path_label, tensor_leaves
+from fxflops.adapters.frames import FRAME_DIMS, RealFrames
 from fxflops.adapters.patch_grids import PatchGrids
 from fxflops.adapters.pieces import packed_pieces
 from fxflops.adapters.tiles import AnyresTiles
@@ -101,6 +102,7 @@ class TransformersAdapter(Adapter):
         self._signature = inspect.signature(model.forward)  # kept: prepare() binds calls on the hot path
         self.tiles = AnyresTiles.of(model, self._signature)  # images cut into tiles by their sizes (adapters/tiles.py)
         self.grids = PatchGrids.of(model, self._signature)  # patch grids cut by image sizes (adapters/patch_grids.py)
+        self.frames = RealFrames.of(model, self._signature)  # padding frames dropped by value (adapters/frames.py)
         self._rope_parameters = _parameters(self.rope.get_rope_index) if self.rope is not None else set()
         positional = list(_parameters(model.forward, ordered=True))
         # a call reaching a grid only past this many positional arguments: a quick "no media" test
@@ -184,6 +186,8 @@ class TransformersAdapter(Adapter):
             known = _cache_dims(tensor.dim()) if cached else _known_dims(label, tensor.dim())
             if self.tiles is not None and label == "pixel_values" and tensor.dim() == 4:
                 known = {**known, 0: "tiles"}  # the images' tiles (prepare() packed them)
+            if self.frames is not None and label in FRAME_DIMS and max(FRAME_DIMS[label]) == tensor.dim() - 1:
+                known = {**known, **FRAME_DIMS[label]}  # frames padded per sequence (adapters/frames.py)
             for d, name in known.items():  # a known name only where its sizes agree
                 if tensor.shape[d] == 1 and name not in COUNTS:
                     continue  # a length of 1 (a decode step's one token) is another program, never a symbol
@@ -197,18 +201,22 @@ class TransformersAdapter(Adapter):
         return named
 
     def derived_sizes(self, args: tuple, kwargs: dict) -> tuple[DerivedSize, ...]:
-        """The patches a Pixtral-style tower keeps of its padded images, and its merger's windows
-        (``adapters/patch_grids.py``), where the model has them."""
-        if self.grids is None:
+        """The patches a Pixtral-style tower keeps of its padded images and its merger's windows
+        (``adapters/patch_grids.py``), the real frames of an Idefics3-style model
+        (``adapters/frames.py``), where the model has them."""
+        pieces = [piece for piece in (self.grids, self.frames) if piece is not None]
+        if not pieces:
             return ()
-        return self.grids.derived_sizes(bind_call(self.model.forward, args, kwargs, self._signature))
+        call = bind_call(self.model.forward, args, kwargs, self._signature)
+        return tuple(size for piece in pieces for size in piece.derived_sizes(call))
 
     @contextlib.contextmanager
     def capturing(self, model: torch.nn.Module, sizes: dict[str, TracedSize]) -> Iterator[None]:
         owners = [m for m in model.modules() if any(callable(getattr(m, g, None)) for g in FEATURE_GETTERS)]
         with contextlib.ExitStack() as stack:
-            if self.grids is not None:
-                stack.enter_context(self.grids.capturing(model, sizes))
+            for piece in (self.grids, self.frames):
+                if piece is not None:
+                    stack.enter_context(piece.capturing(model, sizes))
             if self.tiles is not None:  # entered first: the per-image pieces wrap its feature getter
                 stack.enter_context(self.tiles.capturing(model))
             stack.enter_context(_accepting_precomputed(model, _vision_encoder(model)))
@@ -310,7 +318,7 @@ def _cache_dims(rank: int) -> dict[int, str]:
 
 # known names that count independent items (sequences, images, videos): 1 in an example is one of
 # many sizes; every other size of 1 (a decode step's one token, a mask's broadcast head dim) is static
-COUNTS = frozenset({"batch", "images", "videos", "tiles"})
+COUNTS = frozenset({"batch", "images", "videos", "tiles", "frames"})
 
 
 def _known_dims(label: str, rank: int) -> dict[int, str]:
