@@ -144,7 +144,8 @@ def _unsharded_reference(world: int) -> list[int]:
 @pytest.mark.parametrize(
     ("engine", "order"),
     [
-        ("fsdp2", "instrument_first"), ("fsdp2", "wrap_first"), ("ddp", "instrument_first"), ("ddp", "wrap_first"),
+        ("fsdp2", "instrument_first"), pytest.param("fsdp2", "wrap_first", marks=pytest.mark.long),
+        ("ddp", "instrument_first"), ("ddp", "wrap_first"),
         *(pytest.param("fsdp2", order, marks=pytest.mark.long) for order in ("compile_first", "compile_last")),
     ],
 )
@@ -297,7 +298,7 @@ def _pipeline_rank(rank: int, world: int, port: int, results, schedule: str) -> 
     dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
+@pytest.mark.parametrize("schedule", [pytest.param("1f1b", marks=pytest.mark.long), "interleaved"])
 def test_pipeline_schedules_count_every_layer_once_per_microbatch(schedule):
     world = 2
     results = spawn(_pipeline_rank, world, schedule)

@@ -141,8 +141,10 @@ def check_symbolic(wrapper) -> None:
     assert not any(p.unsupported for p in wrapper.programs)
 
 
-@pytest.mark.parametrize("attn", ["eager", "sdpa"])
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize(
+    ("family", "attn"),
+    [(f, "eager") for f in FAMILIES] + [pytest.param(f, "sdpa", marks=pytest.mark.long) for f in FAMILIES],
+)
 def test_forward_counts_equal_flop_counter_per_module(family, attn):
     reference = FAMILIES[family][0]()
     wrapper = fxflops.instrument(with_attention(reference, attn), strict=True)

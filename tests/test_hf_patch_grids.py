@@ -108,8 +108,11 @@ def check_symbolic(wrapper) -> None:
     assert not any(p.unsupported for p in wrapper.programs)
 
 
-@pytest.mark.parametrize("attn", ["eager", "sdpa"])
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize(
+    ("family", "attn"),
+    [("mistral3", "eager"), pytest.param("llava_pixtral", "eager", marks=pytest.mark.long)]
+    + [pytest.param(f, "sdpa", marks=pytest.mark.long) for f in FAMILIES],
+)
 def test_forward_counts_equal_flop_counter_per_module(family, attn):
     reference = FAMILIES[family]()
     wrapper = fxflops.instrument(with_attention(reference, attn), strict=True)

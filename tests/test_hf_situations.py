@@ -62,7 +62,7 @@ def batch_of(family: str, kind: str, rng: random.Random) -> dict:
 
 
 @pytest.mark.parametrize(
-    "family", [pytest.param(f, marks=pytest.mark.long) if f in ("qwen3_vl_moe", "qwen2_5_vl") else f for f in hf_zoo.FAMILIES]
+    "family", [pytest.param(f, marks=pytest.mark.long) if f in ("qwen3_vl_moe", "qwen2_5_vl", "qwen3_vl") else f for f in hf_zoo.FAMILIES]
 )
 def test_mixed_batches_in_any_order_count_exactly(family):
     model = hf_zoo.build(family, "sdpa")

@@ -414,7 +414,8 @@ def _engine_rank(rank: int, world: int, port: int, results, engine: str, order: 
 
 
 @pytest.mark.parametrize(
-    ("engine", "order"), [("ddp", "wrap_first"), pytest.param("ddp", "instrument_first", marks=pytest.mark.long), ("fsdp2", "instrument_first")]
+    ("engine", "order"), [("ddp", "wrap_first"), pytest.param("ddp", "instrument_first", marks=pytest.mark.long),
+                           pytest.param("fsdp2", "instrument_first", marks=pytest.mark.long)]
 )
 def test_a_measured_model_under_a_data_parallel_engine_counts_each_rank(engine, order):
     """3 training steps of a measured model under DDP or FSDP2 on 2 gloo ranks: each rank's count
