@@ -19,6 +19,7 @@ tensor ops on its device otherwise (no host sync).
 from __future__ import annotations
 
 import abc
+import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -94,7 +95,8 @@ class NonZeroRows(DerivedSize):
         input's device (no host sync)."""
         if tensor.dim() <= self.lead:
             raise MetadataError(f"{path_label(self.source)} needs more than {self.lead} dims to derive {self.name}, not {tensor.dim()}")
-        rows = tensor.detach().flatten(0, self.lead - 1).flatten(1).ne(0).any(1).sum()
+        # any() is true for a row with a non-zero (or NaN) value: the model's "not all == 0"
+        rows = torch.count_nonzero(tensor.reshape(math.prod(tensor.shape[: self.lead]), math.prod(tensor.shape[self.lead :])).any(1))
         return int(rows) if host and tensor.is_cpu else rows
 
     @property

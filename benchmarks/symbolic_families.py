@@ -1,14 +1,19 @@
-"""Anyres tiles (LLaVA-NeXT, LLaVA-OneVision): counting cost per call, symbolic against measured.
+"""Families whose sizes their adapter derives (anyres tiles: LLaVA-NeXT, LLaVA-OneVision; patch
+grids: Mistral 3, LLaVA-Pixtral; real frames: Idefics3, SmolVLM): counting cost per call, symbolic
+against measured.
 
-Run: ``python benchmarks/anyres_overhead.py`` (``--rounds 30``). The tiny models and random batches
-of ``tests/test_hf_anyres.py`` (1-6 images of mixed sizes, 1-3 sequences), eager attention. Medians
-of interleaved rounds over the batches, per call:
+Run: ``python benchmarks/symbolic_families.py`` (``--rounds 30``, ``--families mistral3``). The tiny
+models and random batches of ``tests/test_hf_anyres.py``, ``test_hf_patch_grids.py`` and
+``test_hf_frames.py`` (1-6 images of mixed sizes, 1-3 sequences), eager attention. Medians of
+interleaved rounds over the batches, per call:
 
 - capture: the first call's trace (seconds);
-- prepare: the adapter packing each image's tiles (``adapters/tiles.py``; the model then skips its
-  own copy) and count: binding and accumulating, ``wrapper._count`` on the prepared call;
-- the plain forward, the wrapper's forward (symbolic) and the ratio; the same wrapper with the tiles
-  handling off (``measured``: the base model's own code measured per call, as before) and its ratio;
+- prepare: the adapter's per-call work (packing anyres tiles, ``adapters/tiles.py``; nothing for the
+  derived sizes, which the binder computes) and count: binding (derived sizes included) and
+  accumulating, ``wrapper._count`` on the prepared call;
+- the plain forward, the wrapper's forward (symbolic) and the ratio; the same wrapper with the
+  family's adapter piece off (``measured``: the base model's own code measured per call, as before
+  the piece) and its ratio;
 - the forward under FlopCounterMode.
 """
 
@@ -27,7 +32,21 @@ from torch.utils.flop_counter import FlopCounterMode
 import fxflops
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from test_hf_anyres import FAMILIES  # noqa: E402 - the tests' tiny models and batches
+import test_hf_anyres  # noqa: E402 - the tests' tiny models and batches
+import test_hf_measured_families  # noqa: E402
+import test_hf_patch_grids  # noqa: E402
+
+
+def _grids(family: str):
+    return test_hf_patch_grids.FAMILIES[family], lambda model, rng, images: test_hf_patch_grids.batch_of(family, rng, rng.randint(1, 6))
+
+
+FAMILIES = {  # family -> (build, batch(model, rng, images=True), the adapter piece that makes it symbolic)
+    **{f: (*pair, "tiles") for f, pair in test_hf_anyres.FAMILIES.items()},
+    **{f: (*_grids(f), "grids") for f in test_hf_patch_grids.FAMILIES},
+    "idefics3": (test_hf_measured_families.build_idefics3, test_hf_measured_families.idefics3_batch, "frames"),
+    "smolvlm": (test_hf_measured_families.build_smolvlm, test_hf_measured_families.idefics3_batch, "frames"),
+}
 
 
 def seconds(fn) -> float:
@@ -37,7 +56,7 @@ def seconds(fn) -> float:
 
 
 def run(family: str, rounds: int, n_batches: int = 6) -> dict[str, float]:
-    build, make_batch = FAMILIES[family]
+    build, make_batch, piece = FAMILIES[family]
     model = build()
     rng = random.Random(1)
     batches = [make_batch(model, rng, images=True) for _ in range(n_batches)]
@@ -45,7 +64,7 @@ def run(family: str, rounds: int, n_batches: int = 6) -> dict[str, float]:
         del batch["labels"]
     symbolic = fxflops.instrument(model, strict=True)
     measured = fxflops.instrument(model, strict=True)
-    measured.adapter.tiles = None  # as before adapters/tiles.py: the base model's own code measured
+    setattr(measured.adapter, piece, None)  # as before the piece: the base model's own code measured
     figures = {"capture": seconds(lambda: symbolic._count(*symbolic.adapter.prepare((), batches[0])))}
     with torch.no_grad():
         for batch in batches:  # every program and child program captured before timing
@@ -81,11 +100,12 @@ def run(family: str, rounds: int, n_batches: int = 6) -> dict[str, float]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=30)
+    parser.add_argument("--families", nargs="*", default=list(FAMILIES))
     options = parser.parse_args()
     torch.set_num_threads(1)
     print(f"{'family':16} {'capture s':>9} {'prepare us':>10} {'count us':>8} {'plain ms':>8} "
           f"{'symbolic/plain':>14} {'measured/plain':>14} {'FlopCounter/plain':>17}")
-    for family in FAMILIES:
+    for family in options.families:
         f = run(family, options.rounds)
         print(f"{family:16} {f['capture']:9.2f} {f['prepare'] * 1e6:10.0f} {f['count'] * 1e6:8.0f} {f['plain'] * 1e3:8.2f} "
               f"{f['symbolic'] / f['plain']:14.3f} {f['measured'] / f['plain']:14.3f} {f['flopcounter'] / f['plain']:17.3f}")
