@@ -263,3 +263,24 @@ def assert_training_call_matches(wrapper, reference: torch.nn.Module, batch: dic
         assert got_forward.get(path, 0) == forward.get(path, 0), where
         assert got_training.get(path, 0) == training.get(path, 0), where
     return got_forward, got_training, forward, training
+
+
+def with_attention(model: torch.nn.Module, attn: str) -> torch.nn.Module:
+    """``model`` itself for eager attention, else a copy of it with attention implementation ``attn``
+    (the same weights: the eager model stays the reference)."""
+    if attn == "eager":
+        return model
+    other = copy.deepcopy(model)
+    other.set_attn_implementation(attn)
+    return other
+
+
+def assert_count_on_host_and_device(program, batch: dict, expected: int) -> None:
+    """``program`` counts ``batch`` as ``expected`` with its metadata read on the host and with tensor
+    ops (as for inputs on an accelerator: ``binder.host_metadata = False``)."""
+    assert program.count(**batch) == expected
+    program.binder.host_metadata = False
+    try:
+        assert program.count(**batch) == expected
+    finally:
+        program.binder.host_metadata = True

@@ -11,7 +11,6 @@ tiles a free symbol, and nothing measured.
 
 from __future__ import annotations
 
-import copy
 import inspect
 import random
 
@@ -25,7 +24,7 @@ from fxflops.adapters.tiles import AnyresTiles
 from fxflops.errors import MetadataError
 from fxflops.rules import entry_for
 from fxflops.rules.not_counted import is_not_counted
-from reference import assert_training_call_matches, flop_counter_modules
+from reference import assert_training_call_matches, flop_counter_modules, with_attention
 from test_hf_measured_families import IMAGE, TEXT, eager, owners_of, sequences_with
 
 pytest.importorskip("transformers")
@@ -114,14 +113,6 @@ FAMILIES = {"llava_next": (build_llava_next, llava_next_batch), "llava_onevision
 CALLS = 10
 TEXT_ONLY = (3, 7)
 TOP_LEVEL = ["model.vision_tower", "model.multi_modal_projector", "model.language_model", "lm_head"]
-
-
-def with_attention(model: torch.nn.Module, attn: str) -> torch.nn.Module:
-    if attn == "eager":
-        return model
-    other = copy.deepcopy(model)
-    other.set_attn_implementation(attn)
-    return other
 
 
 def calls(family: str, model: torch.nn.Module, seed: str, training: bool) -> list[dict]:

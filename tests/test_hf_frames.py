@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import fxflops
-from reference import assert_training_call_matches, flop_counter_modules
+from reference import assert_count_on_host_and_device, assert_training_call_matches, flop_counter_modules
 from test_hf_measured_families import FRAME_TOKENS, IMAGE, build_idefics3, build_smolvlm, idefics3_batch
 
 pytest.importorskip("transformers")
@@ -100,12 +100,7 @@ def test_the_derived_size_is_the_real_frames_on_the_host_and_on_a_device():
     assert values["image_frames"] == real_frames(batch["pixel_values"]) == (batch["input_ids"] == IMAGE).sum() // FRAME_TOKENS
     assert "image_frames" in {str(s) for s in program.formula("model.vision_model").free_symbols}
     assert "pixel_values" in program.describe_symbols()["image_frames"]
-    host = program.count(**batch)
-    program.binder.host_metadata = False
-    try:
-        assert program.count(**batch) == host == flop_counter_modules(model, batch, backward=False)[""]
-    finally:
-        program.binder.host_metadata = True
+    assert_count_on_host_and_device(program, batch, flop_counter_modules(model, batch, backward=False)[""])
 
 
 def test_a_call_whose_frames_are_all_padding_is_measured_exactly():

@@ -13,7 +13,6 @@ sizes (a second only where an example has a single patch), nothing measured.
 
 from __future__ import annotations
 
-import copy
 import random
 import warnings
 
@@ -22,7 +21,7 @@ import torch
 
 import fxflops
 from fxflops.errors import InputError, MetadataError
-from reference import assert_training_call_matches, flop_counter_modules
+from reference import assert_count_on_host_and_device, assert_training_call_matches, flop_counter_modules, with_attention
 from test_hf_measured_families import IMAGE, TEXT, eager, owners_of, sequences_with
 
 pytest.importorskip("transformers")
@@ -91,14 +90,6 @@ def calls(family: str, seed: str, training: bool) -> list[dict]:
     return batches
 
 
-def with_attention(model: torch.nn.Module, attn: str) -> torch.nn.Module:
-    if attn == "eager":
-        return model
-    other = copy.deepcopy(model)
-    other.set_attn_implementation(attn)
-    return other
-
-
 def check_symbolic(wrapper) -> None:
     """Image calls through programs in the derived patch count (one, and one more only for an example
     of a single patch); nothing measured or uncounted."""
@@ -162,12 +153,7 @@ def test_the_derived_sizes_are_the_towers_patches_and_the_mergers_windows():
     assert {"image_patches", "merged_image_patches"} <= set(map(str, program.formula("model.vision_tower").free_symbols)) | {
         str(s) for s in program.formula("model.multi_modal_projector").free_symbols}
     assert "image_sizes" in program.describe_symbols()["image_patches"]
-    host = program.count(**batch)
-    program.binder.host_metadata = False
-    try:
-        assert program.count(**batch) == host == flop_counter_modules(model, batch, backward=False)[""]
-    finally:
-        program.binder.host_metadata = True
+    assert_count_on_host_and_device(program, batch, flop_counter_modules(model, batch, backward=False)[""])
 
 
 def test_the_model_computes_what_it_computes_alone():
