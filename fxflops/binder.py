@@ -43,7 +43,9 @@ VALID = sympy.Symbol("metadata_valid", integer=True, nonnegative=True)  # 0 for 
 def python_source(expr: sympy.Expr, names: dict[sympy.Symbol, str]) -> str:
     """Python source computing ``expr`` exactly in ints (``//`` for FloorDiv) over variables ``names``,
     as torch prints its own guards (``math.trunc``, ``torch.sym_float``: see :func:`generated`)."""
-    dummies = {sym: sympy.Symbol(name, integer=True, positive=True) for sym, name in names.items()}
+    # integers, not positive ones: sympy would decide a guard like ``n >= 1`` True for a positive
+    # symbol, and a size derived from values can be 0 (capture/derived.py)
+    dummies = {sym: sympy.Symbol(name, integer=True) for sym, name in names.items()}
     return _PRINTER.doprint(sympy.sympify(expr).xreplace(dummies))
 
 

@@ -146,3 +146,15 @@ def test_a_guard_the_printer_cannot_write_is_evaluated_exactly():
     evaluator = guard_evaluator(Truthy(s), (s,))
     assert evaluator is not None and [evaluator(v) for v in (3, 4, 5, 6)] == [False, True, True, False]
     del unknown
+
+
+def test_a_guard_a_positive_symbol_makes_true_is_still_checked_at_zero():
+    """A size derived from values (``capture/derived.py``) can be 0, though its symbol is a positive
+    integer like every size: the printed guard ``n >= 1`` must stay a comparison, not sympy's True
+    for a positive ``n`` (once, SmolVLM's all-padding frames passed its program's guard that way)."""
+    from fxflops.binder import generated, python_source
+
+    n = sympy.Symbol("n", integer=True, positive=True)
+    at_least_one = sympy.Ge(n, 1, evaluate=False)
+    printed = generated(f"def guard(v0):\n    return bool({python_source(at_least_one, {n: 'v0'})})\n", "guard")["guard"]
+    assert [printed(v) for v in (0, 1, 2)] == [False, True, True]

@@ -16,12 +16,15 @@ padded to the batch's most with frames that are all zero. The model's ``get_imag
 
 R is a **derived size** (``capture/derived.py``), ``image_frames``: the rows of ``pixel_values``
 (batch and frames flattened) holding any non-zero value, which the binder counts per call (tensor
-ops on the input's device: no host sync). While capturing (on the capture's twin only),
-``get_image_features`` runs steps 2 and 3 on the first R frames (every frame has the same shape,
-so the same work as on the R real ones) with an all-valid patch mask, and returns the features as
-one piece. A call whose frames are all zero (SmolVLM then runs its first frame anyway, Idefics3
-none) is outside the program (its guard R ≥ 1) and is captured without the stand-in: the model's
-own selection then makes its capture measured (``fxflops/islands.py``).
+ops on the input's device: no host sync). While capturing (on the capture's twin only), the model's
+own ``get_image_features`` runs, every line of it, with one change: indexing a tensor along its
+flattened frames by a boolean mask of as many frames (``pixel_values[real_images_inds]``, the
+pixel attention mask's same selection) keeps the first R frames instead. Every frame has the same
+shape, so the kept rows are computed on exactly as the R real ones, and everything else the model
+does (the zero test and its sums, SmolVLM's fallback, the patch mask, the tower, the connector) is
+traced as it is, under every convention. A call whose frames are all zero (SmolVLM then runs its
+first frame anyway, Idefics3 none) is outside the program (its guard R ≥ 1) and is captured without
+the stand-in: the model's own selection then makes its capture measured (``fxflops/islands.py``).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from fxflops.capture.derived import NonZeroRows, TracedSize
 from fxflops.errors import CaptureError
@@ -58,11 +62,37 @@ def _is_owner(module: torch.nn.Module) -> bool:
     return {PIXELS, "pixel_attention_mask"} <= takes[0] and {PIXELS, "patch_attention_mask"} <= takes[1]
 
 
+class FirstFrames(TorchFunctionMode):
+    """While active: ``tensor[mask]`` with a 1-D boolean ``mask`` as long as ``tensor``'s dim 0, which
+    is ``rows`` (the flattened frames), is ``tensor.narrow(0, 0, frames)``; every other op as is."""
+
+    def __init__(self, rows: Any, frames: torch.SymInt) -> None:
+        super().__init__()
+        self.rows, self.frames = _expression(rows), frames
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if func is torch.Tensor.__getitem__ and len(args) == 2 and self._selects_frames(*args):
+            return args[0].narrow(0, 0, self.frames)
+        return func(*args, **(kwargs or {}))
+
+    def _selects_frames(self, tensor: Any, index: Any) -> bool:
+        return (
+            isinstance(index, torch.Tensor) and index.dtype == torch.bool and index.dim() == 1
+            and isinstance(tensor, torch.Tensor) and tensor.dim() >= 1
+            and _expression(index.shape[0]) == _expression(tensor.shape[0]) == self.rows
+        )
+
+
+def _expression(size: Any) -> Any:
+    """A size as a comparable value (a SymInt's sympy expression; an int as is), without a guard."""
+    return size.node.expr if isinstance(size, torch.SymInt) else size
+
+
 class RealFrames:
     """The real-frame handling of one model (see the module docstring), or :meth:`of` None."""
 
-    def __init__(self, owner: str, patch: int) -> None:
-        self.owner, self.patch = owner, patch
+    def __init__(self, owner: str) -> None:
+        self.owner = owner
 
     @classmethod
     def of(cls, model: torch.nn.Module, signature: inspect.Signature) -> RealFrames | None:
@@ -70,12 +100,8 @@ class RealFrames:
         ``get_image_features`` and its forward takes ``pixel_values``."""
         if PIXELS not in signature.parameters:
             return None
-        owners = [(path, m) for path, m in model.named_modules() if _is_owner(m)]
-        if len(owners) != 1:
-            return None
-        (path, owner), = owners
-        patch = getattr(getattr(getattr(owner, "config", None), "vision_config", None), "patch_size", None)
-        return cls(path, patch) if isinstance(patch, int) else None
+        owners = [path for path, m in model.named_modules() if _is_owner(m)]
+        return cls(owners[0]) if len(owners) == 1 else None
 
     def derived_sizes(self, call: dict[str, Any]) -> tuple[NonZeroRows, ...]:
         """R of a call with 5-D ``pixel_values`` (batch, frames, C, H, W)."""
@@ -89,25 +115,19 @@ class RealFrames:
     @contextlib.contextmanager
     def capturing(self, model: torch.nn.Module, sizes: dict[str, TracedSize]) -> Iterator[None]:
         """While ``model`` (the capture's twin) is traced with the derived sizes ``sizes``: its
-        ``get_image_features`` on the first R frames (see the module docstring)."""
+        ``get_image_features`` keeping the first R frames (see the module docstring)."""
         if FRAMES not in sizes:
             yield
             return
         owner = model.get_submodule(self.owner)
+        own = owner.get_image_features
 
-        def features(pixel_values: torch.Tensor, pixel_attention_mask: Any = None, **kwargs: Any) -> Any:
+        def features(pixel_values: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
             frames, source = sizes[FRAMES]  # read while tracing: make_fx's own SymInt and tensor
             if pixel_values is not source:
                 raise CaptureError(f"{type(owner).__name__}.get_image_features received pixel_values other than the model's own input")
-            batch, most, *frame = pixel_values.shape
-            real = pixel_values.to(dtype=owner.dtype).view(batch * most, *frame).narrow(0, 0, frames)
-            height, width = frame[-2:]
-            valid = torch.ones(frames, height // self.patch, width // self.patch, dtype=torch.bool, device=real.device)
-            kwargs.pop("return_dict", None)
-            out = owner.vision_model(pixel_values=real, patch_attention_mask=valid, return_dict=True, **kwargs)
-            image_features = owner.connector(out.last_hidden_state)
-            out.pooler_output = [image_features.reshape(-1, image_features.shape[-1])]  # one piece: the model cats them
-            return out
+            with FirstFrames(pixel_values.shape[0] * pixel_values.shape[1], frames):
+                return own(pixel_values, *args, **kwargs)
 
         owner.__dict__["get_image_features"] = features
         try:

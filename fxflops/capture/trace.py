@@ -228,7 +228,8 @@ def capture(
         Guard(sympy.Eq(named_symbol(name), public(pinned[name])), f"derived size {name} fixed by the traced code")
         for name in sorted(set(pinned) & set(derived))
     ] + [
-        Guard(sympy.Ge(named_symbol(name), size.minimum), f"derived size {name}: the adapter's stand-ins need at least {size.minimum}")
+        # unevaluated: sympy would call it True for a positive symbol, and a derived size can be 0
+        Guard(sympy.Ge(named_symbol(name), size.minimum, evaluate=False), f"derived size {name}: the adapter's stand-ins need at least {size.minimum}")
         for name, size in sorted(derived.items()) if size.minimum > 0
     ]
     path_of = {id(tensor): path for path, tensor in tensors.items()}
