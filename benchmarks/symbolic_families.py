@@ -1,11 +1,11 @@
 """Families whose sizes their adapter derives (anyres tiles: LLaVA-NeXT, LLaVA-OneVision; patch
-grids: Mistral 3, LLaVA-Pixtral; real frames: Idefics3, SmolVLM): counting cost per call, symbolic
-against measured.
+grids: Mistral 3, LLaVA-Pixtral; real frames: Idefics3, SmolVLM; image tokens: Phi-4-multimodal):
+counting cost per call, symbolic against measured.
 
 Run: ``python benchmarks/symbolic_families.py`` (``--rounds 30``, ``--families mistral3``). The tiny
-models and random batches of ``tests/test_hf_anyres.py``, ``test_hf_patch_grids.py`` and
-``test_hf_frames.py`` (1-6 images of mixed sizes, 1-3 sequences), eager attention. Medians of
-interleaved rounds over the batches, per call:
+models and random batches of ``tests/test_hf_anyres.py``, ``test_hf_patch_grids.py``,
+``test_hf_frames.py`` and ``test_hf_crops.py`` (1-6 images of mixed sizes, 1-3 sequences), eager
+attention. Medians of interleaved rounds over the batches, per call:
 
 - capture: the first call's trace (seconds);
 - prepare: the adapter's per-call work (packing anyres tiles, ``adapters/tiles.py``; nothing for the
@@ -46,6 +46,7 @@ FAMILIES = {  # family -> (build, batch(model, rng, images=True), the adapter pi
     **{f: (*_grids(f), "grids") for f in test_hf_patch_grids.FAMILIES},
     "idefics3": (test_hf_measured_families.build_idefics3, test_hf_measured_families.idefics3_batch, "frames"),
     "smolvlm": (test_hf_measured_families.build_smolvlm, test_hf_measured_families.idefics3_batch, "frames"),
+    "phi4_multimodal": (test_hf_measured_families.build_phi4_multimodal, test_hf_measured_families.phi4_batch, "crops"),
 }
 
 

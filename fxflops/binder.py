@@ -30,7 +30,7 @@ import torch
 from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP
 from torch.utils._sympy.printers import PythonPrinter
 
-from fxflops.capture.derived import NonZeroRows
+from fxflops.capture.derived import CountedSize
 from fxflops.capture.inputs import Attr, Path, bind_call, path_label
 from fxflops.analysis.masks import KeptPairs
 from fxflops.analysis.segments import ELEMENT, Family, column
@@ -111,7 +111,7 @@ class Binder:
         strict_metadata: bool = False,
         flags: dict[str, sympy.Symbol] | None = None,
         kept_pairs: dict[sympy.Symbol, KeptPairs] | None = None,
-        counts: dict[sympy.Symbol, NonZeroRows] | None = None,
+        counts: dict[sympy.Symbol, CountedSize] | None = None,
     ) -> None:
         self._signature = inspect.signature(forward)
         self._forward = forward
@@ -240,7 +240,7 @@ class Binder:
         return lines
 
     def _count_lines(self, positions: dict[str, str], var: dict[sympy.Symbol, str]) -> list[str]:
-        """Code computing each derived count (``NonZeroRows.count``: an int for a CPU input, a 0-d
+        """Code computing each derived count (``CountedSize.count``: an int for a CPU input, a 0-d
         tensor on the input's device otherwise)."""
         lines = []
         for i, sym in enumerate(sorted(self.counts, key=str)):

@@ -1,8 +1,8 @@
 """Hugging Face VLM families whose symbolic capture fails inside a module (data-dependent Python
 code: loops over ``image_sizes``, ``.tolist()`` splits, ``if mask.any():``), counted exactly all the
-same by measured islands (``fxflops/islands.py``): Ovis2, Phi-4-multimodal (image only) and Emu3
-(VQ-VAE image tokenizer). Mistral 3 counts symbolically (``test_hf_patch_grids.py``), and so do
-Idefics3 and SmolVLM, whose builders live here (``test_hf_frames.py``).
+same by measured islands (``fxflops/islands.py``): Ovis2 and Emu3 (VQ-VAE image tokenizer).
+Mistral 3 counts symbolically (``test_hf_patch_grids.py``), and so do Idefics3 and SmolVLM
+(``test_hf_frames.py``) and Phi-4-multimodal's images (``test_hf_crops.py``), whose builders live here.
 
 Each family is a tiny random-weight model built here with ``attn_implementation="eager"`` (attention
 as explicit matmuls, which FlopCounterMode counts) and called on random microbatches laid out as its
@@ -295,14 +295,10 @@ class Family:
     build: Callable[[], torch.nn.Module]
     batch: Callable[[torch.nn.Module, random.Random, bool], dict]
     measured: tuple[str, ...]  # the modules whose own code is data-dependent: measured on every image call
-    image_key: str = "pixel_values"
 
 
 FAMILIES = {  # the measured modules: where each family's data-dependent line is
     "ovis2": Family(build_ovis2, ovis2_batch, ("model",)),  # if mask.any(): per visual indicator
-    "phi4_multimodal": Family(  # if (input_ids == image_token_id).any(); sub_img[:area_ratio] per image
-        build_phi4_multimodal, phi4_batch, ("model.embed_tokens_extend", "model.embed_tokens_extend.image_embed"),
-        "image_pixel_values"),
     "emu3": Family(build_emu3, emu3_batch, ("model.vqmodel",)),  # encode: codes sliced by image_sizes
 }
 PARAMETERS = list(FAMILIES)
@@ -316,7 +312,7 @@ def random_batch(family: str, model, rng: random.Random, images: bool, training:
 
 
 def check_measured(family: str, wrapper, batch: dict, where) -> None:
-    if FAMILIES[family].image_key in batch:  # measured exactly where the data-dependent code is
+    if "pixel_values" in batch:  # measured exactly where the data-dependent code is
         assert set(wrapper.measured) == set(FAMILIES[family].measured), (*where, wrapper.measured)
 
 
@@ -341,7 +337,7 @@ def test_forward_counts_equal_flop_counter_per_module(family):
         with torch.no_grad():
             wrapper(**batch)
         got = wrapper.flops.breakdown()
-        where = (family, i, FAMILIES[family].image_key in batch, tuple(batch["input_ids"].shape))
+        where = (family, i, "pixel_values" in batch, tuple(batch["input_ids"].shape))
         assert wrapper.flops.uncounted == 0, where
         assert wrapper.flops.total() == got[""] == expected[""] > 0, where
         for path, flops in expected.items():
@@ -369,7 +365,7 @@ def test_training_counts_equal_flop_counter(family):
         wrapper.flops.reset()
         model.zero_grad(set_to_none=True)
         wrapper(**batch).loss.backward()
-        where = (family, i, FAMILIES[family].image_key in batch, tuple(batch["input_ids"].shape))
+        where = (family, i, "pixel_values" in batch, tuple(batch["input_ids"].shape))
         assert wrapper.flops.uncounted == 0, where
         assert wrapper.flops.total() == training, where
         assert wrapper.flops.total(phase="fwd") == forward, where

@@ -74,7 +74,8 @@ def test_forward_counts_every_op_as_measured(family):
         assert got == expected, (family, i, {k: (got.get(k), v) for k, v in expected.items() if got.get(k) != v})
 
 
-@pytest.mark.parametrize("family", PARAMETERS)
+@pytest.mark.long  # ~25 s a family
+@pytest.mark.parametrize("family", FAMILIES)
 def test_training_forward_counts_every_op_as_measured(family):
     model, make_batch, symbolic, measured = wrappers(family, backward=True)
     rng = random.Random(f"{family}-every-op-training")

@@ -43,6 +43,7 @@ import torch
 from fxflops.analysis.paths import inside
 from fxflops.capture.adapters import Adapter
 from fxflops.capture.inputs import bind_call, held_root, is_metadata, path_label, tensor_leaves
+from fxflops.adapters.crops import CROP_DIMS, ImageCrops
 from fxflops.adapters.frames import FRAME_DIMS, RealFrames
 from fxflops.adapters.patch_grids import PatchGrids
 from fxflops.adapters.pieces import packed_pieces
@@ -103,6 +104,7 @@ class TransformersAdapter(Adapter):
         self.tiles = AnyresTiles.of(model, self._signature)  # images cut into tiles by their sizes (adapters/tiles.py)
         self.grids = PatchGrids.of(model, self._signature)  # patch grids cut by image sizes (adapters/patch_grids.py)
         self.frames = RealFrames.of(model, self._signature)  # padding frames dropped by value (adapters/frames.py)
+        self.crops = ImageCrops.of(model, self._signature)  # image crops projected onto the image tokens (adapters/crops.py)
         self._rope_parameters = _parameters(self.rope.get_rope_index) if self.rope is not None else set()
         positional = list(_parameters(model.forward, ordered=True))
         # a call reaching a grid only past this many positional arguments: a quick "no media" test
@@ -188,6 +190,8 @@ class TransformersAdapter(Adapter):
                 known = {**known, 0: "tiles"}  # the images' tiles (prepare() packed them)
             if self.frames is not None and label in FRAME_DIMS and max(FRAME_DIMS[label]) == tensor.dim() - 1:
                 known = {**known, **FRAME_DIMS[label]}  # frames padded per sequence (adapters/frames.py)
+            if self.crops is not None and label in CROP_DIMS and tensor.dim() >= 3:
+                known = {**known, **CROP_DIMS[label]}  # crops padded per image (adapters/crops.py)
             for d, name in known.items():  # a known name only where its sizes agree
                 if tensor.shape[d] == 1 and name not in COUNTS:
                     continue  # a length of 1 (a decode step's one token) is another program, never a symbol
@@ -203,8 +207,9 @@ class TransformersAdapter(Adapter):
     def derived_sizes(self, args: tuple, kwargs: dict) -> tuple[DerivedSize, ...]:
         """The patches a Pixtral-style tower keeps of its padded images and its merger's windows
         (``adapters/patch_grids.py``), the real frames of an Idefics3-style model
-        (``adapters/frames.py``), where the model has them."""
-        pieces = [piece for piece in (self.grids, self.frames) if piece is not None]
+        (``adapters/frames.py``), the image tokens of a Phi-4-multimodal-style one
+        (``adapters/crops.py``), where the model has them."""
+        pieces = [piece for piece in (self.grids, self.frames, self.crops) if piece is not None]
         if not pieces:
             return ()
         call = bind_call(self.model.forward, args, kwargs, self._signature)
@@ -214,7 +219,7 @@ class TransformersAdapter(Adapter):
     def capturing(self, model: torch.nn.Module, sizes: dict[str, TracedSize]) -> Iterator[None]:
         owners = [m for m in model.modules() if any(callable(getattr(m, g, None)) for g in FEATURE_GETTERS)]
         with contextlib.ExitStack() as stack:
-            for piece in (self.grids, self.frames):
+            for piece in (self.grids, self.frames, self.crops):
                 if piece is not None:
                     stack.enter_context(piece.capturing(model, sizes))
             if self.tiles is not None:  # entered first: the per-image pieces wrap its feature getter
@@ -318,7 +323,7 @@ def _cache_dims(rank: int) -> dict[int, str]:
 
 # known names that count independent items (sequences, images, videos): 1 in an example is one of
 # many sizes; every other size of 1 (a decode step's one token, a mask's broadcast head dim) is static
-COUNTS = frozenset({"batch", "images", "videos", "tiles", "frames"})
+COUNTS = frozenset({"batch", "images", "videos", "tiles", "frames", "crops"})
 
 
 def _known_dims(label: str, rank: int) -> dict[int, str]:

@@ -6,13 +6,15 @@ A Pixtral vision tower keeps, of each padded image i, the ⌊hᵢ/p⌋ × ⌊w�
 transformer's work is a polynomial in N = Σᵢ ⌊hᵢ/p⌋·⌊wᵢ/p⌋, a sum over the rows of ``image_sizes``
 of an expression in the row's columns (:class:`RowSum`). An Idefics3 / SmolVLM model drops the
 padding frames of its ``pixel_values`` (frames all zero) and runs its vision tower on the R real
-ones: a count of the rows of ``pixel_values`` that are not all zero (:class:`NonZeroRows`).
+ones: a count of the rows of ``pixel_values`` that are not all zero (:class:`NonZeroRows`). A
+Phi-4-multimodal model projects as many rows of image features as ``input_ids`` holds image tokens
+(:class:`TokenCount`).
 
 The family's adapter declares such a size (``Adapter.derived_sizes``), the capture creates a symbol
 for it with the example call's value as its hint (``capture/symbols.py``), the adapter's
 capture-time stand-ins size the tensors with it, and the binder computes it from the input per call:
 a :class:`RowSum` as a segment family's first power sum (``analysis/segments.py``, ``binder.py``),
-a :class:`NonZeroRows` with its own :meth:`NonZeroRows.count`; on the host for a CPU input, with
+a :class:`CountedSize` with its own :meth:`CountedSize.count`; on the host for a CPU input, with
 tensor ops on its device otherwise (no host sync).
 """
 
@@ -20,7 +22,7 @@ from __future__ import annotations
 
 import abc
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import sympy
@@ -39,10 +41,13 @@ def column(j: int) -> sympy.Symbol:
 class DerivedSize(abc.ABC):
     """A size named ``name``, computed from the values of the input at ``source``; a program
     captured with it holds for calls where it is at least ``minimum`` (what the adapter's
-    stand-ins handle: a guard of the program)."""
+    stand-ins handle: a guard of the program). ``leaves_out``: the work, counted only under
+    ``count="all"``, that the stand-ins sized by it do not trace (empty: none), for which a program
+    with it refuses that count."""
 
     name: str
     source: Path
+    leaves_out: str = field(default="", kw_only=True)
 
     @property
     def minimum(self) -> int:
@@ -82,22 +87,16 @@ class RowSum(DerivedSize):
 
 
 @dataclass(frozen=True)
-class NonZeroRows(DerivedSize):
-    """``name`` = the rows of the input at ``source`` (its first ``lead`` dims flattened: one row per
-    frame of a (batch, frames, C, H, W) input) holding any non-zero value; programs hold for calls
-    with at least ``least`` of them."""
+class CountedSize(DerivedSize):
+    """A size counted from the input's values by tensor ops (:meth:`count`), which the binder calls
+    per call; programs hold for calls with at least ``least`` of it."""
 
-    lead: int = 2
     least: int = 0
 
+    @abc.abstractmethod
     def count(self, tensor: torch.Tensor, host: bool) -> int | torch.Tensor:
         """The size as an int on the host for a CPU input (when ``host``); else a 0-d tensor on the
         input's device (no host sync)."""
-        if tensor.dim() <= self.lead:
-            raise MetadataError(f"{path_label(self.source)} needs more than {self.lead} dims to derive {self.name}, not {tensor.dim()}")
-        # any() is true for a row with a non-zero (or NaN) value: the model's "not all == 0"
-        rows = torch.count_nonzero(tensor.reshape(math.prod(tensor.shape[: self.lead]), math.prod(tensor.shape[self.lead :])).any(1))
-        return int(rows) if host and tensor.is_cpu else rows
 
     @property
     def minimum(self) -> int:
@@ -106,8 +105,52 @@ class NonZeroRows(DerivedSize):
     def value(self, tensor: torch.Tensor) -> int:
         return int(self.count(tensor, host=True))
 
+
+@dataclass(frozen=True)
+class NonZeroRows(CountedSize):
+    """``name`` = the rows of the input at ``source`` (its first ``lead`` dims flattened: one row per
+    frame of a (batch, frames, C, H, W) input) holding any non-zero value."""
+
+    lead: int = 2
+
+    def count(self, tensor: torch.Tensor, host: bool) -> int | torch.Tensor:
+        if tensor.dim() <= self.lead:
+            raise MetadataError(f"{path_label(self.source)} needs more than {self.lead} dims to derive {self.name}, not {tensor.dim()}")
+        # any() is true for a row with a non-zero (or NaN) value: the model's "not all == 0"
+        rows = torch.count_nonzero(tensor.reshape(math.prod(tensor.shape[: self.lead]), math.prod(tensor.shape[self.lead :])).any(1))
+        return int(rows) if host and tensor.is_cpu else rows
+
     def describe(self) -> str:
         return f"the rows of {path_label(self.source)} (its first {self.lead} dims flattened) not all zero"
+
+
+@dataclass(frozen=True)
+class TokenCount(CountedSize):
+    """``name`` = the elements of the integer input at ``source`` equal to ``token`` (the image
+    tokens of ``input_ids``: the rows a model writes its image features to)."""
+
+    token: int = 0
+
+    def count(self, tensor: torch.Tensor, host: bool) -> int | torch.Tensor:
+        if tensor.dtype.is_floating_point or tensor.dtype.is_complex:
+            raise MetadataError(f"{path_label(self.source)} must be an integer tensor to derive {self.name}, not {tensor.dtype}")
+        tokens = torch.count_nonzero(tensor == self.token)
+        return int(tokens) if host and tensor.is_cpu else tokens
+
+    def describe(self) -> str:
+        return f"the elements of {path_label(self.source)} equal to {self.token}"
+
+
+def refuse_every_op_count(derived: dict[str, DerivedSize]) -> None:
+    """Raise ValueError when a stand-in sized by one of ``derived`` (by symbol name) leaves out work
+    that ``count="all"`` counts (:attr:`DerivedSize.leaves_out`): that count would not be exact."""
+    left = {name: getattr(size, "leaves_out", "") for name, size in derived.items()}  # older pickles lack it
+    if any(left.values()):
+        raise ValueError(
+            "count='all' is not exact for this program: its adapter's stand-ins leave out "
+            + "; ".join(f"{what} (derived size {name})" for name, what in sorted(left.items()) if what)
+            + ", work only count='all' counts; every count='matmul' convention (MFU) is exact"
+        )
 
 
 class TracedSize(NamedTuple):

@@ -1,0 +1,135 @@
+"""Image crops projected onto the image tokens, counted symbolically (``fxflops/adapters/crops.py``):
+Phi-4-multimodal lays out each image's crop features with Python loops over ``image_sizes`` and the
+patch mask's values, then projects exactly as many rows as ``input_ids`` holds image tokens (a
+derived size, ``capture/derived.py``).
+
+A tiny random-weight model (builder in ``test_hf_measured_families.py``) called on 1-4 images of
+1x1, 1x2 or 2x1 crops + a global crop, padded to the batch's most crops, with right or bottom
+patches of the resized image off in the mask, each image in a random one of 1-3 right-padded
+sequences, text-only calls mixed in. Reference per call: FlopCounterMode on the eager model and
+batch (it counts CPU SDPA as 0: an sdpa wrapper is checked against the eager twin), forward per
+module, training per top-level module replayed alone and the step's total. Every image call counts
+through one program in the image tokens, nothing measured.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import fxflops
+from fxflops.conventions import FLOPCOUNTER
+from reference import assert_count_on_host_and_device, assert_training_call_matches, flop_counter_modules, with_attention
+from test_hf_measured_families import PHI4_IMAGE, build_phi4_multimodal, phi4_batch
+
+pytest.importorskip("transformers")
+
+CALLS = 10
+TEXT_ONLY = (3, 7)
+IMAGE_EMBEDDING = "model.embed_tokens_extend.image_embed"
+TOP_LEVEL = [IMAGE_EMBEDDING, "model.layers.0", "model.layers.1", "lm_head"]
+
+
+def calls(model, seed: str, training: bool) -> list[dict]:
+    rng = random.Random(seed)
+    batches = [phi4_batch(model, rng, images=i not in TEXT_ONLY) for i in range(CALLS)]
+    if not training:
+        for batch in batches:
+            del batch["labels"]
+    return batches
+
+
+def image_tokens(batch: dict) -> int:
+    """The image tokens the processor's layout gives, image by image (phi4_batch's blocks)."""
+    return sum(int(token == PHI4_IMAGE) for row in batch["input_ids"].tolist() for token in row)
+
+
+def check_symbolic(wrapper) -> None:
+    """Image calls through one program in the image tokens; nothing measured or uncounted."""
+    assert wrapper.measured == {} and wrapper.flops.uncounted == 0
+    with_tokens = [p for p in wrapper.programs if "image_tokens" in p.derived]
+    assert len(with_tokens) == 1 and wrapper.captures <= 2, [p.symbols for p in wrapper.programs]
+    assert not any(p.unsupported for p in wrapper.programs)
+
+
+@pytest.mark.parametrize("attn", ["eager", pytest.param("sdpa", marks=pytest.mark.long)])
+def test_forward_counts_equal_flop_counter_per_module(attn):
+    model = build_phi4_multimodal()
+    wrapper = fxflops.instrument(with_attention(model, attn), strict=True)
+    for i, batch in enumerate(calls(model, f"phi4-forward-{attn}", training=False)):
+        expected = flop_counter_modules(model, batch, backward=False)
+        wrapper.flops.reset()
+        with torch.no_grad():
+            wrapper(**batch)
+        got = wrapper.flops.breakdown()
+        assert got[""] == expected[""] > 0, (attn, i)
+        for path, flops in expected.items():
+            assert got.get(path) == flops, (attn, i, path)
+    check_symbolic(wrapper)
+
+
+@pytest.mark.long  # ~1 min: the default suite keeps its time (CI runs the long suite too)
+def test_training_counts_equal_flop_counter_per_top_level_module():
+    model = build_phi4_multimodal()
+    wrapper = fxflops.instrument(model, backward=True, strict=True)
+    wrapper.train()
+    for i, batch in enumerate(calls(model, "phi4-training", training=True)):
+        paths = TOP_LEVEL if "image_pixel_values" in batch else TOP_LEVEL[1:]
+        _, _, forward, training = assert_training_call_matches(wrapper, model, batch, paths, i)
+        assert training[""] > 2 * forward[""] > 0
+    check_symbolic(wrapper)
+
+
+def test_the_derived_size_is_the_image_tokens_on_the_host_and_on_a_device():
+    """The projection's formula is in T, which the binder counts from input_ids; the same count read
+    on the host or with tensor ops (as for a tensor on an accelerator); outputs and inputs unchanged;
+    count="all" refused naming what the stand-in leaves out, the matmul count exact."""
+    model = build_phi4_multimodal()
+    wrapper = fxflops.instrument(model, strict=True)
+    batch = calls(model, "phi4-derived", training=False)[0]
+    ids = batch["input_ids"].clone()
+    with torch.no_grad():
+        plain = model(**batch).logits
+        counted = wrapper(**batch).logits
+    assert torch.equal(plain, counted) and torch.equal(batch["input_ids"], ids)
+    program = next(p for p in wrapper.programs if "image_tokens" in p.derived)
+    values = dict(zip(map(str, program.all_symbols), program.values(**batch)))
+    assert values["image_tokens"] == image_tokens(batch) > 0
+    assert "image_tokens" in {str(s) for s in program.formula("model.embed_tokens_extend.image_embed.img_projection_up").free_symbols}
+    assert "input_ids" in program.describe_symbols()["image_tokens"]
+    expected = flop_counter_modules(model, batch, backward=False)[""]
+    assert_count_on_host_and_device(program, batch, expected)
+    # the per-image layout's elementwise work is not in the trace: count="all" is refused, naming it
+    with pytest.raises(ValueError, match="image_tokens"):
+        wrapper.flops.total(convention=FLOPCOUNTER.but(count="all"))
+    assert wrapper.flops.total() == expected
+
+
+def test_crops_without_image_tokens_are_measured_exactly():
+    """Crops but no image token: the model skips its image embedding (``if (input_ids ==
+    image_token_id).any()``), outside the program (its guard T >= 1): captured again and measured,
+    as FlopCounterMode counts it (no vision tower); the next image call counts through the program.
+    One image token more than the crops give: the model rejects the call, nothing is added."""
+    model = build_phi4_multimodal()
+    wrapper = fxflops.instrument(model, strict=True)
+    batch = calls(model, "phi4-no-tokens", training=False)[0]
+    with torch.no_grad():
+        wrapper(**batch)
+    ids = batch["input_ids"].masked_fill(batch["input_ids"] == PHI4_IMAGE, 60)
+    without = dict(batch, input_ids=ids)
+    for call in (without, batch):
+        wrapper.flops.reset()
+        with torch.no_grad():
+            wrapper(**call)
+        expected = flop_counter_modules(model, call, backward=False)
+        assert wrapper.flops.total() == expected[""] > 0 and wrapper.flops.uncounted == 0
+    assert expected.get(IMAGE_EMBEDDING, 0) > 0 and flop_counter_modules(model, without, backward=False).get(IMAGE_EMBEDDING, 0) == 0
+    assert set(wrapper.measured) == {"model.embed_tokens_extend"}
+    wrong = batch["input_ids"].clone()
+    wrong[0, 0] = PHI4_IMAGE  # one image token more than the crops give
+    before = wrapper.flops.total()
+    with torch.no_grad(), pytest.raises(Exception):  # the model's own index_put rejects it, not fxflops
+        wrapper(**dict(batch, input_ids=wrong))
+    assert wrapper.flops.total() == before
