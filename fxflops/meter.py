@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from fxflops.analysis.paths import ancestors, depth as path_depth, join
+from fxflops.guards import OUTSIDE_KEY
 from fxflops.situation import STRUCTURE
 
 _FOLD_EVERY = 256  # pending calls per accumulator before they are summed (reads fold them too)
@@ -337,12 +338,16 @@ class Report:
     measured: dict[str, str] = field(default_factory=dict)  # module -> why its own code was measured per call
 
     def malformed_text(self) -> str:
-        """The calls whose metadata on a device was malformed, in words (they are in ``uncounted``)."""
-        parts = ", ".join(f"{n} call(s) with {name!r}" for name, n in sorted(self.malformed.items()))
-        return (
+        """The calls whose metadata on a device was malformed, or whose sizes derived on a device fell
+        outside their program's guards (``fxflops/guards.py``), in words (they are in ``uncounted``)."""
+        parts = ", ".join(f"{n} call(s) with {name!r}" for name, n in sorted(self.malformed.items()) if name != OUTSIDE_KEY)
+        said = [] if not parts else [
             f"malformed segment metadata on a device ({parts}: offsets not from 0, decreasing, past the packed "
-            "length, or not covering a per-segment module's rows); those calls were not counted"
-        )
+            "length, or not covering a per-segment module's rows)"
+        ]
+        if self.malformed.get(OUTSIDE_KEY):  # e.g. frames that are all padding, which the host would measure
+            said.append(f"{self.malformed[OUTSIDE_KEY]} call(s) with {OUTSIDE_KEY}")
+        return "; ".join(said) + "; those calls were not counted"
 
     @property
     def model_flops(self) -> int:

@@ -26,12 +26,13 @@ from fxflops.analysis.counted import PHASES, convention_terms
 from fxflops.analysis.paths import ancestors, depth as path_depth
 from fxflops.analysis.segments import derived_family
 from fxflops.analysis.terms import Term, Unsupported
-from fxflops.binder import VALID, Binder, generated, guard_evaluator, python_source
+from fxflops.binder import VALID, Binder, generated, python_source
 from fxflops.call_keys import CallKeys
 from fxflops.capture.derived import CountedSize, DerivedSize, RowSum, refuse_every_op_count
 from fxflops.capture.inputs import path_label
 from fxflops.conventions import FLOPCOUNTER, Convention
 from fxflops.errors import GuardError, InputError, MetadataError, UnboundSymbolError
+from fxflops.guards import OUTSIDE, OUTSIDE_KEY, checks as guard_checks
 from fxflops.situation import ModelState, describe_difference
 
 if TYPE_CHECKING:
@@ -217,7 +218,7 @@ class Program:
         self._row_cache: dict[Convention, tuple[dict, int]] = {}
         variants = [t.flops for t in self.terms] + [t.causal_exact for t in self.terms if t.causal_exact is not None]
         monomials = {m for v in variants for m in sympy.expand(v).as_coefficients_dict()}
-        self.layout = Basis(monomials | set(self.all_symbols), len(self.experts))
+        self.layout = Basis(monomials | set(self.all_symbols) | ({OUTSIDE} if self.derived else set()), len(self.experts))
         self._generate()
 
     @property
@@ -231,20 +232,19 @@ class Program:
         names = {sym: f"v{i}" for i, sym in enumerate(self.all_symbols)}
         params = ", ".join(names.values())
         # a call whose device metadata is malformed adds nothing but its malformed flags (Meter.report)
-        flags = set(self.binder.flags.values()) | {VALID}
-        valid = f" * {names[VALID]}" if VALID in names else ""
-        regular = [python_source(m, names) + ("" if m in flags else valid) for m in self.layout.monomials]
+        # and one outside the deferred guards on its device-derived sizes, only its OUTSIDE column (guards.py)
+        flags = set(self.binder.flags.values()) | {VALID, OUTSIDE}
+        valid = (f" * {names[VALID]}" if VALID in names else "") + (" * _held" if OUTSIDE in self.layout.index else "")
+        regular = [python_source(m, {**names, OUTSIDE: "(1 - _held)"}) + ("" if m in flags else valid) for m in self.layout.monomials]
         monomials = ", ".join(regular + self.layout.measured_defaults())
-        exact = [guard_evaluator(g.expr, self.all_symbols) for g in self.guards]
-        checks = " and ".join(
-            f"({python_source(g.expr, names)})" if evaluator is None else f"_exact[{i}]({params})"
-            for i, (g, evaluator) in enumerate(zip(self.guards, exact))
-        ) or "True"
+        minimums = {sym: self.derived[str(sym)].minimum for sym in self.all_symbols if str(sym) in self.derived}
+        checks, held, needed = guard_checks(self.guards, self.all_symbols, names, minimums, OUTSIDE in self.layout.index)
         scope = generated(
-            f"def monomials({params}):\n    return ({monomials}{',' if self.basis else ''})\n"
+            f"def monomials({params}):\n" + "".join(f"{line}\n" for line in held)
+            + f"    return ({monomials}{',' if self.basis else ''})\n"
             f"def within_guards({params}):\n    return {checks}\n",
             "program",
-            _exact=exact,
+            **needed,
         )
         self.monomials: Callable[..., tuple[int, ...]] = scope["monomials"]
         self.within_guards: Callable[..., bool] = scope["within_guards"]
@@ -334,6 +334,7 @@ class Program:
         monomials (those calls added nothing else)."""
         column = self.layout.index
         found = {str(flag)[len("malformed_"):]: _exact_int(monomial_sums[column[flag]]) for flag in self.binder.flags.values()}
+        found[OUTSIDE_KEY] = _exact_int(monomial_sums[column[OUTSIDE]]) if OUTSIDE in column else 0
         return {name: n for name, n in found.items() if n}
 
     def total(self, phase: str | None = None, convention: Convention | None = None, **values: int) -> int:

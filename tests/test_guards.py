@@ -158,3 +158,23 @@ def test_a_guard_a_positive_symbol_makes_true_is_still_checked_at_zero():
     at_least_one = sympy.Ge(n, 1, evaluate=False)
     printed = generated(f"def guard(v0):\n    return bool({python_source(at_least_one, {n: 'v0'})})\n", "guard")["guard"]
     assert [printed(v) for v in (0, 1, 2)] == [False, True, True]
+
+
+def test_guards_on_derived_sizes_are_split_into_host_and_device_checks():
+    """``fxflops/guards.py``: a factor R >= 1 cancels from an equality (a shape fact, host); a pinned
+    R chooses the program (host); an inequality on R is deferred to the device flag; without R's
+    minimum the factor stays (R = 0 would make any equality of multiples of R hold)."""
+    from fxflops.capture.symbols import Guard
+    from fxflops.guards import cancelled, split
+
+    r, x, a = (sympy.Symbol(n, integer=True, positive=True) for n in ("R", "X", "A"))
+    view = sympy.Eq(32 * r * x, 512 * r)
+    assert cancelled(view, {r}) == sympy.Eq(32 * x - 512, 0) and cancelled(view, set()) == view
+    assert cancelled(sympy.Ne(8 * r * a, 0), {r}) == sympy.Ne(8 * a, 0)
+    guards = [Guard(view, "view"), Guard(sympy.Eq(r, 1), "pinned"), Guard(sympy.Ge(r, 1, evaluate=False), "minimum"),
+              Guard(sympy.Le(r, 4 * a), "slice"), Guard(sympy.Ne(x, 1), "shapes")]
+    host, deferred = split(guards, {r: 1})
+    assert [g.location for g in host] == ["view", "pinned", "shapes"] and not host[0].expr.free_symbols & {r}
+    assert [g.location for g in deferred] == ["minimum", "slice"]
+    host, deferred = split(guards, {r: 0})
+    assert [g.location for g in host] == ["view", "pinned", "shapes"] and host[0].expr.free_symbols & {r}

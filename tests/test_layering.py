@@ -122,13 +122,13 @@ def test_analysis_imports_only_capture_and_rules():
 
 PROGRAM_MAY_IMPORT = (
     "fxflops.analysis", "fxflops.capture", "fxflops.rules", "fxflops.binder", "fxflops.call_keys",
-    "fxflops.situation", "fxflops.report", "fxflops.plot", "fxflops.scaling",
+    "fxflops.situation", "fxflops.report", "fxflops.plot", "fxflops.scaling", "fxflops.guards",
 )
 
 
 def test_program_imports_nothing_above_it():
     assert _violations("fxflops.program", PROGRAM_MAY_IMPORT) == {}
-    for view in ("fxflops.report", "fxflops.plot", "fxflops.scaling", "fxflops.binder", "fxflops.situation"):
+    for view in ("fxflops.report", "fxflops.plot", "fxflops.scaling", "fxflops.binder", "fxflops.situation", "fxflops.guards"):
         assert _violations(view, PROGRAM_MAY_IMPORT) == {}, view
 
 
