@@ -7,7 +7,10 @@ device, guard checks, meter accumulation) runs under ``torch.cuda.set_sync_debug
 raises on any synchronising CUDA call. The meter is read once at the end (one copy) and compared with
 the same batches counted from host metadata. Then the same for a tiny HF Llama whose attention masks
 are read from the graph: a padded ``attention_mask`` and packed ``position_ids`` (the kept-pairs
-statistics summed on the device). Prints the per-microbatch counting time on the device.
+statistics summed on the device). Then sizes derived from input values (``capture/derived.py``):
+Idefics3's real frames, Mistral 3's kept patches and Phi-4-multimodal's image tokens (the tests'
+tiny models), whose guards are device flags (``fxflops/guards.py``). Prints the per-microbatch
+counting time on the device.
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ def main() -> int:
     print(f"counted {len(on_device)} microbatches with device metadata under sync debug mode 'error': no sync")
     print(f"  {elapsed / len(on_device) * 1e6:.1f} us per microbatch (host time, kernels queued asynchronously)")
     print(f"  total {got:,} FLOPs; from host metadata {expected:,}: {'equal' if got == expected else 'DIFFERENT'}")
-    return 0 if got == expected and text_masks() else 1
+    return 0 if got == expected and text_masks() and derived_sizes() else 1
 
 
 def text_masks() -> bool:
@@ -79,6 +82,39 @@ def text_masks() -> bool:
         torch.cuda.set_sync_debug_mode("default")
         got = wrapper.flops.total(convention=exact)
         print(f"HF Llama, {name} on the GPU: no sync; exact-causal total {got:,}, host {host:,}: {'equal' if got == host else 'DIFFERENT'}")
+        ok &= got == host
+    return ok
+
+
+def derived_sizes() -> bool:
+    """The derived-size families of the tests, their inputs on the GPU: no sync, equal to the host's."""
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from test_hf_derived_on_device import FAMILIES  # the tests' tiny models and batches
+
+    ok = True
+    for family, (build, make_batch) in FAMILIES.items():
+        model = build()
+        rng = random.Random(family)
+        batches = [make_batch(model, rng, True) for _ in range(6)]
+        wrapper = fxflops.instrument(model, strict=True)
+        host = 0
+        for batch in batches:
+            batch.pop("labels")
+            wrapper.flops.reset()
+            with torch.no_grad():
+                wrapper(**batch)  # captured (and counted) on the host
+            host += wrapper.flops.total()
+        prepared = [wrapper.adapter.prepare((), {k: v.cuda() for k, v in b.items()}) for b in batches]
+        wrapper.flops.reset()
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        for args, kwargs in prepared:
+            wrapper._count(args, kwargs)
+        torch.cuda.set_sync_debug_mode("default")
+        got = wrapper.flops.total()
+        print(f"{family}, derived sizes on the GPU: no sync; total {got:,}, host {host:,}: {'equal' if got == host else 'DIFFERENT'}")
         ok &= got == host
     return ok
 

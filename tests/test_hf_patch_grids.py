@@ -1,6 +1,7 @@
 """Patch grids cut from padded images by ``image_sizes``, counted symbolically
-(``fxflops/adapters/patch_grids.py``): Mistral 3 (Pixtral tower + 2x2 patch merger) and LLaVA with a
-Pixtral tower, whose transformer runs on N = Σᵢ ⌊hᵢ/p⌋·⌊wᵢ/p⌋ patches that only the values of
+(``fxflops/adapters/patch_grids.py``): Mistral 3 (Pixtral tower + 2x2 patch merger), LightOnOCR (the
+same, with per-image split sizes from a loop over ``image_sizes``: ``adapters/pieces.py``) and LLaVA
+with a Pixtral tower, whose transformer runs on N = Σᵢ ⌊hᵢ/p⌋·⌊wᵢ/p⌋ patches that only the values of
 ``image_sizes`` give (a derived size, ``capture/derived.py``).
 
 Tiny random-weight models called on 1-6 images of random sizes (any pixel size, not only multiples of
@@ -52,17 +53,29 @@ def build_llava_pixtral() -> torch.nn.Module:
     return eager(transformers.LlavaForConditionalGeneration, config)
 
 
+def build_lighton_ocr() -> torch.nn.Module:
+    import transformers
+
+    config = transformers.LightOnOcrConfig(
+        vision_config=pixtral_tower(), text_config=dict(TEXT, model_type="qwen3", head_dim=16, sliding_window=None),
+        image_token_id=IMAGE, spatial_merge_size=MERGE)
+    return eager(transformers.LightOnOcrForConditionalGeneration, config)
+
+
+MERGED = ("mistral3", "lighton_ocr")  # the families with a k x k patch merger
+
+
 def tokens_of(family: str, h: int, w: int) -> int:
     """An image's features in the text, as the processor counts them: its ⌊h/p⌋ x ⌊w/p⌋ patches,
-    merged k x k (flooring) by Mistral 3."""
+    merged k x k (flooring) by Mistral 3 and LightOnOCR."""
     rows, cols = h // PATCH, w // PATCH
-    return (rows // MERGE) * (cols // MERGE) if family == "mistral3" else rows * cols
+    return (rows // MERGE) * (cols // MERGE) if family in MERGED else rows * cols
 
 
 def batch_of(family: str, rng: random.Random, images: int) -> dict:
     """``images`` images of random sizes (16-64 px for Mistral 3, whose merger needs 2x2 patches;
     8-64 px for LLaVA), pixel_values (images, 3, max h, max w) zero padded, image_sizes (images, 2)."""
-    low = PATCH * (MERGE if family == "mistral3" else 1)
+    low = PATCH * (MERGE if family in MERGED else 1)
     sizes = [(rng.randint(low, 64), rng.randint(low, 64)) for _ in range(images)]
     batch = rng.randint(1, 3)
     blocks = [[IMAGE] * tokens_of(family, h, w) for h, w in sizes]
@@ -75,10 +88,11 @@ def batch_of(family: str, rng: random.Random, images: int) -> dict:
     return dict(call, pixel_values=pixels, image_sizes=torch.tensor(sizes))
 
 
-FAMILIES = {"mistral3": build_mistral3, "llava_pixtral": build_llava_pixtral}
+FAMILIES = {"mistral3": build_mistral3, "llava_pixtral": build_llava_pixtral, "lighton_ocr": build_lighton_ocr}
 CALLS = 10
 TEXT_ONLY = (3, 7)
 TOP_LEVEL = ["model.vision_tower", "model.multi_modal_projector", "model.language_model", "lm_head"]
+TOP_LEVEL_OF = {"lighton_ocr": ["model.vision_encoder", "model.vision_projection", "model.language_model", "lm_head"]}
 
 
 def calls(family: str, seed: str, training: bool) -> list[dict]:
@@ -101,7 +115,7 @@ def check_symbolic(wrapper) -> None:
 
 @pytest.mark.parametrize(
     ("family", "attn"),
-    [("mistral3", "eager"), pytest.param("llava_pixtral", "eager", marks=pytest.mark.long)]
+    [("mistral3", "eager"), ("lighton_ocr", "eager"), pytest.param("llava_pixtral", "eager", marks=pytest.mark.long)]
     + [pytest.param(f, "sdpa", marks=pytest.mark.long) for f in FAMILIES],
 )
 def test_forward_counts_equal_flop_counter_per_module(family, attn):
@@ -127,7 +141,8 @@ def test_training_counts_equal_flop_counter_per_top_level_module(family, attn):
     wrapper = fxflops.instrument(with_attention(reference, attn), backward=True, strict=True)
     wrapper.train()
     for i, batch in enumerate(calls(family, f"{family}-training", training=True)):
-        paths = TOP_LEVEL if "pixel_values" in batch else TOP_LEVEL[2:]
+        top = TOP_LEVEL_OF.get(family, TOP_LEVEL)
+        paths = top if "pixel_values" in batch else top[2:]
         _, _, forward, training = assert_training_call_matches(wrapper, reference, batch, paths, (family, attn, i))
         assert training[""] > 2 * forward[""] > 0
     check_symbolic(wrapper)

@@ -21,7 +21,11 @@ and only there:
   pieces, still packed, as one piece;
 - iterating over a tensor whose dim 0 is a free size symbol (``list(features)``) yields one piece
   ``x.flatten(0, 1)`` (its ``len()`` raises ``TypeError``, so that ``list()`` iterates instead of
-  asking for a number).
+  asking for a number);
+- iterating over a 2-D integer tensor whose dim 0 is a free size symbol (``for h, w in
+  image_sizes``, LightOnOCR) yields one :class:`SymbolicRow`, whose columns are
+  :class:`SymbolicValue` placeholders: integer arithmetic on them gives placeholders again, and a
+  list of them given to ``torch.split`` is the sections placeholder above.
 
 In the graph (Qwen2-VL, ``P`` packed patches of ``images`` images)::
 
@@ -65,6 +69,50 @@ class SymbolicSections:
     __iter__ = __len__ = __getitem__ = __bool__ = _refuse
 
 
+class SymbolicValue:
+    """One item's number computed from a row of per-item metadata over a symbolic number of items
+    (``(h // 28) * (w // 28)`` for each ``h, w`` of ``image_sizes``): integer arithmetic gives another
+    placeholder; only a list of them given to ``split`` takes it (any other use refuses)."""
+
+    def __init__(self, getter: str) -> None:
+        self.getter = getter
+
+    def _same(self, *args: Any) -> SymbolicValue:
+        return SymbolicValue(self.getter)
+
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = __floordiv__ = __rfloordiv__ = __mod__ = _same
+
+    def _refuse(self, *args: Any) -> Any:
+        raise CaptureError(
+            f"{self.getter} uses per-item values (a row of metadata over a symbolic number of items) other "
+            "than to torch.split a packed tensor; fxflops cannot trace it without fixing the number of items"
+        )
+
+    __iter__ = __len__ = __getitem__ = __bool__ = __int__ = __index__ = __float__ = _refuse
+    __eq__ = __ne__ = __lt__ = __le__ = __gt__ = __ge__ = _refuse
+    __hash__ = None  # type: ignore[assignment]
+
+
+class SymbolicRow:
+    """A row of a 2-D integer tensor over a symbolic number of items: its columns, as placeholders."""
+
+    def __init__(self, columns: int, getter: str) -> None:
+        self.columns, self.getter = columns, getter
+
+    def __iter__(self) -> Iterator[SymbolicValue]:
+        return iter([SymbolicValue(self.getter) for _ in range(self.columns)])
+
+    def __getitem__(self, index: int) -> SymbolicValue:
+        if not isinstance(index, int) or not -self.columns <= index < self.columns:
+            return SymbolicValue(self.getter)._refuse()
+        return SymbolicValue(self.getter)
+
+
+def _sections(sizes: Any) -> bool:
+    """``sizes`` is a per-item placeholder: a ``.tolist()``'s, or a list of :class:`SymbolicValue`."""
+    return isinstance(sizes, SymbolicSections) or (isinstance(sizes, (list, tuple)) and any(isinstance(v, SymbolicValue) for v in sizes))
+
+
 def _symbolic_length(tensor: torch.Tensor) -> bool:
     """Dim 0 of ``tensor`` is a size expression with a free symbol (not a number)."""
     return tensor.dim() >= 1 and isinstance(tensor.shape[0], torch.SymInt) and not tensor.shape[0].node.expr.is_number
@@ -89,16 +137,18 @@ def packed_pieces(owners: list[Any], getters: tuple[str, ...]) -> Iterator[None]
         return tolist
 
     def split(tensor: torch.Tensor, split_size_or_sections: Any, dim: int = 0) -> Any:
-        if isinstance(split_size_or_sections, SymbolicSections):
+        if _sections(split_size_or_sections):
             return (tensor,)
         return split_function(tensor, split_size_or_sections, dim)
 
     def split_method_(self: torch.Tensor, split_size: Any, dim: int = 0) -> Any:
-        if isinstance(split_size, SymbolicSections):
+        if _sections(split_size):
             return (self,)
         return split_method(self, split_size, dim)
 
-    def iterate(self: torch.Tensor) -> Iterator[torch.Tensor]:
+    def iterate(self: torch.Tensor) -> Iterator[Any]:
+        if inside and self.dim() == 2 and _symbolic_length(self) and not self.dtype.is_floating_point and isinstance(self.shape[1], int):
+            return iter((SymbolicRow(self.shape[1], inside[-1]),))  # for h, w in image_sizes: one row of placeholders
         if inside and self.dim() >= 2 and _symbolic_length(self):
             return iter((self.flatten(0, 1),))
         return tensor_iter(self)
