@@ -28,10 +28,9 @@ program: one sync per call. :func:`split` sorts a program's guards:
 
 from __future__ import annotations
 
-import sympy
-
 from typing import Any
 
+import sympy
 import torch
 
 from fxflops.binder import guard_evaluator, python_source
@@ -91,9 +90,10 @@ def checks(
     written = [f"({python_source(g.expr, names)})" if e is None else f"_exact[{i}]({params})" for i, (g, e) in enumerate(zip(host, exact))]
     if not deferred:  # _held only where the monomials use it (a program with derived sizes)
         return " and ".join(written) or "True", ["    _held = 1"] if deferring else [], {"_exact": exact}
-    first = names[sorted((s for g in deferred for s in g.expr.free_symbols & set(minimums)), key=str)[0]]
-    on_device = f"isinstance({first}, _Tensor)"  # every derived size of a call: ints, or tensors
-    printed = [f"({python_source(g.expr, names)})" for g in deferred]
-    written.append(f"({on_device} or ({' and '.join(printed)}))")
-    held = [f"    _held = 1 * {' * '.join(printed)} if {on_device} else 1"]
-    return " and ".join(written), held, {"_exact": exact, "_Tensor": torch.Tensor}
+    factors: list[str] = []
+    for guard in deferred:  # each on the host when its derived sizes are ints there, else a device flag
+        on_device = " or ".join(f"isinstance({names[s]}, _Tensor)" for s in sorted(guard.expr.free_symbols & set(minimums), key=str))
+        printed = f"({python_source(guard.expr, names)})"
+        written.append(f"({on_device} or {printed})")
+        factors.append(f"({printed} if {on_device} else 1)")
+    return " and ".join(written), [f"    _held = 1 * {' * '.join(factors)}"], {"_exact": exact, "_Tensor": torch.Tensor}
