@@ -54,9 +54,9 @@ _EMBEDDING_INPUTS = {IDS, "inputs_embeds", PIXELS, "image_sizes", "image_attenti
 
 
 def _is_owner(module: torch.nn.Module) -> bool:
-    """An image embedding with Phi-4-multimodal's parts: ``get_img_features`` (its tower), the two
-    projections, and a forward taking the image-token ids, the embeddings and the crop inputs."""
-    if not callable(getattr(module, "get_img_features", None)):
+    """An image embedding with Phi-4-multimodal's parts: ``get_img_features`` running its tower
+    ``img_processor``, the two projections, and a forward taking the image-token ids, the embeddings and the crop inputs."""
+    if not callable(getattr(module, "get_img_features", None)) or not isinstance(getattr(module, "img_processor", None), torch.nn.Module):
         return False
     if not all(isinstance(getattr(module, m, None), torch.nn.Linear) for m in ("img_projection_up", "img_projection_down")):
         return False
@@ -78,7 +78,7 @@ class TokensPresent(TorchFunctionMode):
         if func is torch.Tensor.any and len(args) == 1 and not kwargs and any(args[0] is t for t in self.tests):
             return True
         out = func(*args, **(kwargs or {}))
-        if func in (torch.Tensor.__eq__, torch.eq) and len(args) == 2 and args[0] is self.ids and args[1] == self.token:
+        if func in (torch.Tensor.__eq__, torch.eq) and len(args) == 2 and args[0] is self.ids and isinstance(args[1], int) and args[1] == self.token:
             self.tests.append(out)
         return out
 
