@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import random
 
 import torch
 import torch.nn.functional as F
@@ -284,3 +285,37 @@ def assert_count_on_host_and_device(program, batch: dict, expected: int) -> None
         assert program.count(**batch) == expected
     finally:
         program.binder.host_metadata = True
+
+
+def random_calls(make_batch, seed: str, training: bool, calls: int = 10, text_only: tuple[int, ...] = (3, 7)) -> list[dict]:
+    """``calls`` random batches ``make_batch(rng, images)`` from one rng seeded ``seed``, text-only at
+    the indices ``text_only``; their labels dropped unless ``training``."""
+    rng = random.Random(seed)
+    batches = [make_batch(rng, i not in text_only) for i in range(calls)]
+    if not training:
+        for batch in batches:
+            del batch["labels"]
+    return batches
+
+
+def assert_forward_per_module(wrapper, reference: torch.nn.Module, batches: list[dict], label: object) -> None:
+    """Each batch through ``wrapper`` under no_grad: its total (> 0) and every module FlopCounterMode
+    names on ``reference`` (eager attention) equal FlopCounterMode's."""
+    for i, batch in enumerate(batches):
+        expected = flop_counter_modules(reference, batch, backward=False)
+        wrapper.flops.reset()
+        with torch.no_grad():
+            wrapper(**batch)
+        got = wrapper.flops.breakdown()
+        assert got[""] == expected[""] > 0, (label, i)
+        for path, flops in expected.items():
+            assert got.get(path) == flops, (label, i, path)
+
+
+def assert_symbolic_in(wrapper, symbol: str, programs: int = 1, captures: int = 2) -> None:
+    """The image calls went through 1 to ``programs`` programs in ``symbol`` (a derived size, tiles),
+    from at most ``captures`` captures; nothing measured, uncounted or unsupported."""
+    assert wrapper.measured == {} and wrapper.flops.uncounted == 0
+    within = [p for p in wrapper.programs if symbol in map(str, p.all_symbols)]
+    assert 1 <= len(within) <= programs and wrapper.captures <= captures, [p.symbols for p in wrapper.programs]
+    assert not any(p.unsupported for p in wrapper.programs)

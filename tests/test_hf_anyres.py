@@ -24,7 +24,7 @@ from fxflops.adapters.tiles import AnyresTiles
 from fxflops.errors import MetadataError
 from fxflops.rules import entry_for
 from fxflops.rules.not_counted import is_not_counted
-from reference import assert_training_call_matches, flop_counter_modules, with_attention
+from reference import assert_forward_per_module, assert_symbolic_in, assert_training_call_matches, flop_counter_modules, random_calls, with_attention
 from test_hf_measured_families import IMAGE, TEXT, eager, owners_of, sequences_with
 
 pytest.importorskip("transformers")
@@ -116,20 +116,12 @@ TOP_LEVEL = ["model.vision_tower", "model.multi_modal_projector", "model.languag
 
 
 def calls(family: str, model: torch.nn.Module, seed: str, training: bool) -> list[dict]:
-    rng = random.Random(seed)
-    batches = [FAMILIES[family][1](model, rng, images=i not in TEXT_ONLY) for i in range(CALLS)]
-    if not training:
-        for batch in batches:
-            del batch["labels"]
-    return batches
+    return random_calls(lambda rng, images: FAMILIES[family][1](model, rng, images), seed, training, CALLS, TEXT_ONLY)
 
 
 def check_symbolic(wrapper) -> None:
     """One program for every image call, in the number of tiles; nothing measured or uncounted."""
-    assert wrapper.measured == {} and wrapper.flops.uncounted == 0
-    with_images = [p for p in wrapper.programs if "tiles" in map(str, p.symbols)]
-    assert len(with_images) == 1 and wrapper.captures <= 2, [p.symbols for p in wrapper.programs]
-    assert not any(p.unsupported for p in wrapper.programs)
+    assert_symbolic_in(wrapper, "tiles")
 
 
 @pytest.mark.parametrize(
@@ -139,14 +131,7 @@ def check_symbolic(wrapper) -> None:
 def test_forward_counts_equal_flop_counter_per_module(family, attn):
     reference = FAMILIES[family][0]()
     wrapper = fxflops.instrument(with_attention(reference, attn), strict=True)
-    for i, batch in enumerate(calls(family, reference, f"{family}-forward", training=False)):
-        expected = flop_counter_modules(reference, batch, backward=False)
-        wrapper.flops.reset()
-        with torch.no_grad():
-            wrapper(**batch)
-        got = wrapper.flops.breakdown()
-        for path, flops in expected.items():
-            assert got.get(path) == flops, (family, attn, i, path)
+    assert_forward_per_module(wrapper, reference, calls(family, reference, f"{family}-forward", training=False), (family, attn))
     check_symbolic(wrapper)
 
 

@@ -14,14 +14,13 @@ through one program in the image tokens, nothing measured.
 
 from __future__ import annotations
 
-import random
 
 import pytest
 import torch
 
 import fxflops
 from fxflops.conventions import FLOPCOUNTER
-from reference import assert_count_on_host_and_device, assert_training_call_matches, flop_counter_modules, with_attention
+from reference import assert_count_on_host_and_device, assert_forward_per_module, assert_symbolic_in, assert_training_call_matches, flop_counter_modules, random_calls, with_attention
 from test_hf_measured_families import PHI4_IMAGE, build_phi4_multimodal, phi4_batch
 
 pytest.importorskip("transformers")
@@ -33,12 +32,7 @@ TOP_LEVEL = [IMAGE_EMBEDDING, "model.layers.0", "model.layers.1", "lm_head"]
 
 
 def calls(model, seed: str, training: bool) -> list[dict]:
-    rng = random.Random(seed)
-    batches = [phi4_batch(model, rng, images=i not in TEXT_ONLY) for i in range(CALLS)]
-    if not training:
-        for batch in batches:
-            del batch["labels"]
-    return batches
+    return random_calls(lambda rng, images: phi4_batch(model, rng, images), seed, training, CALLS, TEXT_ONLY)
 
 
 def image_tokens(batch: dict) -> int:
@@ -48,25 +42,14 @@ def image_tokens(batch: dict) -> int:
 
 def check_symbolic(wrapper) -> None:
     """Image calls through one program in the image tokens; nothing measured or uncounted."""
-    assert wrapper.measured == {} and wrapper.flops.uncounted == 0
-    with_tokens = [p for p in wrapper.programs if "image_tokens" in p.derived]
-    assert len(with_tokens) == 1 and wrapper.captures <= 2, [p.symbols for p in wrapper.programs]
-    assert not any(p.unsupported for p in wrapper.programs)
+    assert_symbolic_in(wrapper, "image_tokens")
 
 
 @pytest.mark.parametrize("attn", ["eager", pytest.param("sdpa", marks=pytest.mark.long)])
 def test_forward_counts_equal_flop_counter_per_module(attn):
     model = build_phi4_multimodal()
     wrapper = fxflops.instrument(with_attention(model, attn), strict=True)
-    for i, batch in enumerate(calls(model, f"phi4-forward-{attn}", training=False)):
-        expected = flop_counter_modules(model, batch, backward=False)
-        wrapper.flops.reset()
-        with torch.no_grad():
-            wrapper(**batch)
-        got = wrapper.flops.breakdown()
-        assert got[""] == expected[""] > 0, (attn, i)
-        for path, flops in expected.items():
-            assert got.get(path) == flops, (attn, i, path)
+    assert_forward_per_module(wrapper, model, calls(model, f"phi4-forward-{attn}", training=False), attn)
     check_symbolic(wrapper)
 
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import fxflops
-from reference import assert_count_on_host_and_device, assert_training_call_matches, flop_counter_modules
+from reference import assert_count_on_host_and_device, assert_forward_per_module, assert_symbolic_in, assert_training_call_matches, flop_counter_modules, random_calls
 from test_hf_measured_families import FRAME_TOKENS, IMAGE, build_idefics3, build_smolvlm, idefics3_batch
 
 pytest.importorskip("transformers")
@@ -31,12 +31,7 @@ TOP_LEVEL = ["model.vision_model", "model.connector", "model.text_model", "lm_he
 
 
 def calls(model, seed: str, training: bool) -> list[dict]:
-    rng = random.Random(seed)
-    batches = [idefics3_batch(model, rng, images=i not in TEXT_ONLY) for i in range(CALLS)]
-    if not training:
-        for batch in batches:
-            del batch["labels"]
-    return batches
+    return random_calls(lambda rng, images: idefics3_batch(model, rng, images), seed, training, CALLS, TEXT_ONLY)
 
 
 def real_frames(pixel_values: torch.Tensor) -> int:
@@ -46,25 +41,14 @@ def real_frames(pixel_values: torch.Tensor) -> int:
 
 def check_symbolic(wrapper) -> None:
     """Image calls through one program in the derived frame count; nothing measured or uncounted."""
-    assert wrapper.measured == {} and wrapper.flops.uncounted == 0
-    with_frames = [p for p in wrapper.programs if "image_frames" in p.derived]
-    assert len(with_frames) == 1 and wrapper.captures <= 2, [p.symbols for p in wrapper.programs]
-    assert not any(p.unsupported for p in wrapper.programs)
+    assert_symbolic_in(wrapper, "image_frames")
 
 
 @pytest.mark.parametrize("family", ["idefics3", pytest.param("smolvlm", marks=pytest.mark.long)])
 def test_forward_counts_equal_flop_counter_per_module(family):
     model = FAMILIES[family]()
     wrapper = fxflops.instrument(model, strict=True)
-    for i, batch in enumerate(calls(model, f"{family}-forward", training=False)):
-        expected = flop_counter_modules(model, batch, backward=False)
-        wrapper.flops.reset()
-        with torch.no_grad():
-            wrapper(**batch)
-        got = wrapper.flops.breakdown()
-        assert got[""] == expected[""] > 0, (family, i)
-        for path, flops in expected.items():
-            assert got.get(path) == flops, (family, i, path)
+    assert_forward_per_module(wrapper, model, calls(model, f"{family}-forward", training=False), family)
     check_symbolic(wrapper)
 
 

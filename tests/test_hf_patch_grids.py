@@ -22,7 +22,7 @@ import torch
 
 import fxflops
 from fxflops.errors import InputError, MetadataError
-from reference import assert_count_on_host_and_device, assert_training_call_matches, flop_counter_modules, with_attention
+from reference import assert_count_on_host_and_device, assert_forward_per_module, assert_symbolic_in, assert_training_call_matches, flop_counter_modules, random_calls, with_attention
 from test_hf_measured_families import IMAGE, TEXT, eager, owners_of, sequences_with
 
 pytest.importorskip("transformers")
@@ -96,21 +96,13 @@ TOP_LEVEL_OF = {"lighton_ocr": ["model.vision_encoder", "model.vision_projection
 
 
 def calls(family: str, seed: str, training: bool) -> list[dict]:
-    rng = random.Random(seed)
-    batches = [batch_of(family, rng, 0 if i in TEXT_ONLY else rng.randint(1, 6)) for i in range(CALLS)]
-    if not training:
-        for batch in batches:
-            del batch["labels"]
-    return batches
+    return random_calls(lambda rng, images: batch_of(family, rng, rng.randint(1, 6) if images else 0), seed, training, CALLS, TEXT_ONLY)
 
 
 def check_symbolic(wrapper) -> None:
     """Image calls through programs in the derived patch count (one, and one more only for an example
     of a single patch); nothing measured or uncounted."""
-    assert wrapper.measured == {} and wrapper.flops.uncounted == 0
-    with_images = [p for p in wrapper.programs if "image_patches" in p.derived]
-    assert 1 <= len(with_images) <= 2 and wrapper.captures <= 3, [p.symbols for p in wrapper.programs]
-    assert not any(p.unsupported for p in wrapper.programs)
+    assert_symbolic_in(wrapper, "image_patches", programs=2, captures=3)
 
 
 @pytest.mark.parametrize(
@@ -121,15 +113,7 @@ def check_symbolic(wrapper) -> None:
 def test_forward_counts_equal_flop_counter_per_module(family, attn):
     reference = FAMILIES[family]()
     wrapper = fxflops.instrument(with_attention(reference, attn), strict=True)
-    for i, batch in enumerate(calls(family, f"{family}-forward", training=False)):
-        expected = flop_counter_modules(reference, batch, backward=False)
-        wrapper.flops.reset()
-        with torch.no_grad():
-            wrapper(**batch)
-        got = wrapper.flops.breakdown()
-        assert got[""] == expected[""] > 0, (family, attn, i)
-        for path, flops in expected.items():
-            assert got.get(path) == flops, (family, attn, i, path)
+    assert_forward_per_module(wrapper, reference, calls(family, f"{family}-forward", training=False), (family, attn))
     check_symbolic(wrapper)
 
 
