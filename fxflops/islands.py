@@ -59,7 +59,7 @@ from fxflops.capture.isolation import isolated_call
 from fxflops.errors import CaptureError, FxFlopsError
 from fxflops.program import Program
 from fxflops.routing import dispatched_flops
-from fxflops.rules import entry_for, overlaid
+from fxflops.rules import entry_for, overlaid, registry_version
 from fxflops.rules.elementwise import MOVES_DATA
 from fxflops.rules.not_counted import is_not_counted, touches_floats
 from fxflops.rules.registry import shape_of
@@ -122,6 +122,58 @@ def _says_causal(func: Any, args: tuple, kwargs: dict) -> bool:
     return any(given.get(name) is True for name in CAUSAL_ARGUMENTS)
 
 
+_PRICED_BY_VALUES = frozenset({torch.ops.aten._grouped_mm})  # FLOPs read from offsets in the data
+
+
+def _signature(value: Any) -> Any:
+    """What an op's price depends on in ``value``: each tensor's shape and dtype (the rules read
+    shapes, :func:`touches_floats` dtypes), every other value as it is (``causal=True``)."""
+    if isinstance(value, torch.Tensor):
+        return value.shape, value.dtype
+    if isinstance(value, (list, tuple)):
+        return tuple([_signature(v) for v in value])
+    if isinstance(value, dict):
+        return tuple([(k, _signature(v)) for k, v in value.items()])
+    return value
+
+
+_UNPRICED = object()
+
+
+class Prices:
+    """:func:`op_work` of each op by its :func:`_signature`, kept across a spine's calls: the rules
+    are pure functions of the shapes, so an op run again on the same shapes (every call of a
+    situation, an image loop) is priced by one dict lookup. Not kept: ops priced by their data
+    (``_grouped_mm``), signatures that cannot be hashed, ops whose pricing raised. :meth:`current`
+    empties it when the rule registry changed (``register``/``unregister``); the per-use ``rules``
+    are the owner's, fixed for its spines."""
+
+    LIMIT = 4096  # distinct signatures kept (a model varying shapes without end starts over)
+
+    def __init__(self) -> None:
+        self.known: dict[tuple, Any] = {}
+        self.version = registry_version()
+
+    def current(self) -> Prices:
+        if self.version != registry_version() or len(self.known) > self.LIMIT:
+            self.known, self.version = {}, registry_version()
+        return self
+
+    def of(self, func: Any, args: tuple, kwargs: dict, out: Any, rules: Any) -> tuple[str, Any, Any, Any] | None:
+        key = (func, _signature(args), _signature(kwargs) if kwargs else None, _signature(out))
+        try:
+            priced = self.known.get(key, _UNPRICED)
+        except TypeError:  # an argument that cannot be hashed
+            key, priced = None, _UNPRICED
+        if priced is not _UNPRICED:
+            return priced
+        with overlaid(rules):
+            priced = op_work(func, args, kwargs, out)
+        if key is not None and getattr(func, "overloadpacket", None) not in _PRICED_BY_VALUES:
+            self.known[key] = priced
+        return priced
+
+
 class Work:
     """Measured work by :data:`Key`: ``dense`` and ``exact`` (causal) sums, and the unsupported ops."""
 
@@ -129,24 +181,19 @@ class Work:
         self.dense: dict[Key, Any] = defaultdict(int)
         self.exact: dict[Key, Any] = defaultdict(int)
         self.unsupported: set[tuple[str, str]] = set()
-        self._entries: dict[Any, Any] = {}  # op -> its rule entry, looked up once per measured call
 
-    def add(self, module: str, phase: str, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
-        entry = self._entries.get(func, False)
-        if entry is False:
-            entry = self._entries[func] = entry_for(func)
-        work = op_work(func, args, kwargs, out, entry)
-        if work is None:
-            return
+    def add(self, module: str, phase: str, func: Any, work: tuple[str, Any, Any, Any]) -> None:
+        """Book one op's :func:`op_work` under ``module`` and ``phase``."""
         kind, dense, exact, share = work
         if kind == "unsupported":
             self.unsupported.add((str(func), module))
             return
-        parts = [(phase, dense, exact)]
         if share is not None and phase == "bwd":  # a fused backward's recomputation of forward work
             share = sympy.Rational(share)
             again = (dense * share, None if exact is None else exact * share)
             parts = [("bwd", dense - again[0], None if exact is None else exact - again[1]), ("recompute", *again)]
+        else:
+            parts = [(phase, dense, exact)]
         for ph, flops, causal in parts:
             key = (module, ph, kind, causal is not None)
             self.dense[key] += flops
@@ -158,13 +205,15 @@ class Work:
 
 
 class OwnOps(TorchDispatchMode):
-    """Adds every op run while active to ``work`` under ``module()`` and ``phase``. The model's ops
-    run and raise as they would; a failure of the accounting is kept in ``error`` (the call is then
-    not counted), never raised into the model."""
+    """Adds every op run while active to ``work`` under ``module()`` and ``phase``, priced by
+    ``prices`` (a :class:`Prices`) with the per-use ``rules``. The model's ops run and raise as they
+    would; a failure of the accounting is kept in ``error`` (the call is then not counted), never
+    raised into the model."""
 
-    def __init__(self, work: Work, module: Callable[[], str], phase: str, rules: Any, seen: dict[int, str] | None = None) -> None:
+    def __init__(self, work: Work, module: Callable[[], str], phase: str, rules: Any, prices: Prices, seen: dict[int, str] | None = None) -> None:
         super().__init__()
         self.work, self.module, self.phase, self.rules = work, module, phase, rules
+        self.prices = prices.current()
         self.seen = seen  # autograd sequence number -> the module whose op made that node (forward)
         self.error: str | None = None
 
@@ -176,11 +225,9 @@ class OwnOps(TorchDispatchMode):
                 module = self.module()
                 if self.seen is not None:  # the node this op made, if it made one (its number is taken first)
                     self.seen.setdefault(_sequence_nr() - 1, module)
-                if self.rules:
-                    with overlaid(self.rules):
-                        self.work.add(module, self.phase, func, args, kwargs, out)
-                else:
-                    self.work.add(module, self.phase, func, args, kwargs, out)
+                work = self.prices.of(func, args, kwargs, out, self.rules)
+                if work is not None:
+                    self.work.add(module, self.phase, func, work)
             except Exception as exc:  # noqa: BLE001 - telemetry never breaks the model
                 self.error = f"{func}: {type(exc).__name__}: {exc}"
         return out
@@ -195,7 +242,17 @@ class Spine:
         self.paths: set[str] = set()
         self.reasons: dict[str, str] = {}
         self.columns = MeasuredColumns()
+        self.prices = Prices()
         self.add(failing, reason)
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state.pop("prices")  # a cache (ops as keys): rebuilt on load
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.prices = Prices()
 
     def add(self, failing: str, reason: str) -> None:
         self.paths.update(ancestors(failing))
@@ -330,7 +387,7 @@ class MeasuredCall:
         self.stack = [""]  # spine modules whose own code runs, innermost last
         self.work = Work()
         self.seen: dict[int, str] = {}  # sequence number -> own module (for the backward's attribution)
-        self.mode = OwnOps(self.work, lambda: self.stack[-1], "fwd", owner.rules, self.seen if training else None)
+        self.mode = OwnOps(self.work, lambda: self.stack[-1], "fwd", owner.rules, spine.prices, self.seen if training else None)
         self.children: list[_ChildCall] = []
         self.routed: list[torch.nn.Module] = []
         self.child_running = False
@@ -545,7 +602,7 @@ def _measure_backward(node: Any, call: MeasuredCall, module: str) -> None:
     """Measure ``node``'s backward ops when the backward runs it (pushed in its pre-hook, popped in its
     post-hook, in the thread that runs it), and add them to the meter as the call's backward."""
     work = Work()
-    mode = OwnOps(work, lambda: module, "bwd", call.owner.rules)
+    mode = OwnOps(work, lambda: module, "bwd", call.owner.rules, call.spine.prices)
 
     def before(grad_outputs: Any) -> None:
         _push_mode(mode)  # the engine restores the thread's modes after each node, also when it raises
@@ -574,4 +631,4 @@ def measured_paths(spines: Iterator[Spine]) -> dict[str, str]:
     return found
 
 
-__all__ = ["MeasuredCall", "MeasuredColumns", "OwnOps", "Spine", "Work", "measured_paths", "op_work"]
+__all__ = ["MeasuredCall", "MeasuredColumns", "OwnOps", "Prices", "Spine", "Work", "measured_paths", "op_work"]

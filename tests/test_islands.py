@@ -26,6 +26,7 @@ from fxflops.analysis.paths import ancestors
 from fxflops.conventions import FLOPCOUNTER
 from fxflops.errors import CaptureError
 from fxflops.models.tiny_gpt import GPTConfig, TinyGPT
+from fxflops.rules import register, unregister
 from reference import flop_counter_call
 
 D = 8
@@ -432,3 +433,28 @@ def test_a_measured_model_under_a_data_parallel_engine_counts_each_rank(engine, 
         assert losses == plain_losses and all(torch.equal(a, b) for a, b in zip(parameters, plain_parameters)), (engine, rank)
         assert local == expected and uncounted == 0, (engine, order, rank)
         assert measured, (engine, order)
+
+
+def test_measured_ops_are_priced_again_when_a_rule_changes_between_calls():
+    """Prices of measured ops are kept across calls (``islands.Prices``); registering a rule for an
+    op the root's own code runs (its ``* 0.5``: the pointwise cost, one per element, until then)
+    must price it again from the next call: 7 FLOPs per call under the new rule."""
+    x = calls(1)[0]
+    with torch.no_grad():
+        rows = kept(model("root").embed(x), None)
+    wrapper = fxflops.instrument(model("root"), strict=True)
+    with torch.no_grad():
+        wrapper(x)
+        wrapper(x)  # priced from the kept prices
+        per_call = wrapper.flops.total(convention=ALL) // 2
+        register(torch.ops.aten.mul, kind="elementwise")(lambda *shapes, out_shape, **named: 7)
+        try:
+            wrapper.flops.reset()
+            wrapper(x)
+            repriced = wrapper.flops.total(convention=ALL)
+        finally:
+            unregister(torch.ops.aten.mul)
+        wrapper.flops.reset()
+        wrapper(x)
+        assert wrapper.flops.total(convention=ALL) == per_call
+    assert repriced == per_call - rows * D + 7

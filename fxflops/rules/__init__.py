@@ -11,10 +11,11 @@ from fxflops.rules.registry import (
     per_use_entries,
     register,
     registered_ops,
+    registry_version,
     rule_for,
     segment_args,
     shape_of,
     unregister,
 )
 
-__all__ = ["Entry", "entry_for", "overlaid", "per_use_entries", "register", "registered_ops", "rule_for", "segment_args", "shape_of", "unregister"]
+__all__ = ["Entry", "entry_for", "overlaid", "per_use_entries", "register", "registered_ops", "registry_version", "rule_for", "segment_args", "shape_of", "unregister"]

@@ -53,6 +53,13 @@ class Entry:
 
 
 _ENTRIES: dict[Any, Entry] = {}
+_VERSION = [0]  # bumped by every change of _ENTRIES: caches of prices computed from the rules check it
+
+
+def registry_version() -> int:
+    """A number that changes whenever a rule is registered or removed (a cache of prices computed
+    from the registry is stale when it has changed)."""
+    return _VERSION[0]
 
 
 def _key(op: Any) -> Any:
@@ -99,6 +106,7 @@ def register(
                 )
         for op in ops:
             _ENTRIES[_key(op)] = entry
+        _VERSION[0] += 1
         return rule
 
     return decorator
@@ -150,6 +158,7 @@ def unregister(*ops: Any) -> None:
     """Remove the rules of ``ops`` (no error for an op without one)."""
     for op in ops:
         _ENTRIES.pop(_key(op), None)
+    _VERSION[0] += 1
 
 
 def entry_for(op: Any) -> Entry | None:
