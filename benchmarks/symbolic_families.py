@@ -1,5 +1,5 @@
 """Families whose sizes their adapter derives (anyres tiles: LLaVA-NeXT, LLaVA-OneVision; patch
-grids: Mistral 3, LLaVA-Pixtral; real frames: Idefics3, SmolVLM; image tokens: Phi-4-multimodal):
+grids: Mistral 3, LLaVA-Pixtral; real frames: Idefics3, SmolVLM, Idefics2; image tokens: Phi-4-multimodal):
 counting cost per call, symbolic against measured.
 
 Run: ``python benchmarks/symbolic_families.py`` (``--rounds 30``, ``--families mistral3``). The tiny
@@ -14,7 +14,9 @@ attention. Medians of interleaved rounds over the batches, per call:
 - the plain forward, the wrapper's forward (symbolic) and the ratio; the same wrapper with the
   family's adapter piece off (``measured``: the base model's own code measured per call, as before
   the piece) and its ratio;
-- the forward under FlopCounterMode.
+- the forward under FlopCounterMode (``fails`` where it raises: Idefics2 under no_grad, whose
+  perceiver latents, a view of a parameter, require grad without a grad_fn, which its module
+  tracker does not accept).
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ FAMILIES = {  # family -> (build, batch(model, rng, images=True), the adapter pi
     **{f: (*_grids(f), "grids") for f in test_hf_patch_grids.FAMILIES},
     "idefics3": (test_hf_measured_families.build_idefics3, test_hf_measured_families.idefics3_batch, "frames"),
     "smolvlm": (test_hf_measured_families.build_smolvlm, test_hf_measured_families.idefics3_batch, "frames"),
+    "idefics2": (test_hf_measured_families.build_idefics2, test_hf_measured_families.idefics2_batch, "frames"),
     "phi4_multimodal": (test_hf_measured_families.build_phi4_multimodal, test_hf_measured_families.phi4_batch, "crops"),
 }
 
@@ -78,6 +81,10 @@ def run(family: str, rounds: int, n_batches: int = 6) -> dict[str, float]:
             model(**batch)
 
     with torch.no_grad():
+        try:
+            flop_counter(batches[0])
+        except AssertionError:  # its module tracker's own failure (see the module docstring)
+            samples.pop("flopcounter")
         for _ in range(rounds):
             for batch in batches:
                 prepared = symbolic.adapter.prepare((), batch)
@@ -86,7 +93,8 @@ def run(family: str, rounds: int, n_batches: int = 6) -> dict[str, float]:
                 samples["plain"].append(seconds(lambda: model(**batch)))
                 samples["symbolic"].append(seconds(lambda: symbolic(**batch)))
                 samples["measured"].append(seconds(lambda: measured(**batch)))
-                samples["flopcounter"].append(seconds(lambda: flop_counter(batch)))
+                if "flopcounter" in samples:
+                    samples["flopcounter"].append(seconds(lambda: flop_counter(batch)))
         symbolic.flops.reset()
         measured.flops.reset()
         for batch in batches:  # the same count both ways (the timed _count calls added to the meter)
@@ -109,7 +117,8 @@ def main() -> None:
     for family in options.families:
         f = run(family, options.rounds)
         print(f"{family:16} {f['capture']:9.2f} {f['prepare'] * 1e6:10.0f} {f['count'] * 1e6:8.0f} {f['plain'] * 1e3:8.2f} "
-              f"{f['symbolic'] / f['plain']:14.3f} {f['measured'] / f['plain']:14.3f} {f['flopcounter'] / f['plain']:17.3f}")
+              f"{f['symbolic'] / f['plain']:14.3f} {f['measured'] / f['plain']:14.3f} "
+              + (f"{f['flopcounter'] / f['plain']:17.3f}" if "flopcounter" in f else f"{'fails':>17}"))
 
 
 if __name__ == "__main__":

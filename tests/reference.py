@@ -216,9 +216,12 @@ def flop_counter_modules(model: torch.nn.Module, batch: dict, backward: bool) ->
     """FlopCounterMode's FLOPs per module path ("" = the whole model) for one forward (+ backward of
     the loss) of ``model`` on ``batch``. Per module, trust it for the forward only: its backward
     attribution is a heuristic that here even gives ``model`` less than its child ``model.language_model``
-    (see :func:`replayed_training_counts`)."""
+    (see :func:`replayed_training_counts`). The forward runs with grad enabled either way: under
+    no_grad, FlopCounterMode's module tracker raises on a view of a parameter (which then requires
+    grad without a grad_fn: Idefics2's perceiver latents, ``latents.unsqueeze(0).expand(...)``); the
+    forward's ops and FLOPs are the same."""
     model.train(backward)
-    with torch.set_grad_enabled(backward), FlopCounterMode(display=False) as counter:
+    with torch.enable_grad(), FlopCounterMode(display=False) as counter:
         out = model(**batch, use_cache=False)
         if backward:
             out.loss.backward()

@@ -589,6 +589,39 @@ def test_a_retried_trace_starts_from_the_call_not_from_the_failed_attempt():
     assert not wrapper.measured and wrapper.captures == 1  # one symbolic program, nothing measured
 
 
+class Lengths:
+    """An argument object holding a tensor and a size (a key-value cache and its length)."""
+
+    def __init__(self, keys: torch.Tensor) -> None:
+        self.keys, self.length = keys, keys.shape[0]
+
+
+class ReadsHeldSizes(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x, held):
+        return (self.fc(x) @ held.keys.T) @ held.keys / held.length
+
+
+def test_training_with_an_argument_object_that_holds_a_size():
+    """The int an argument object holds is a traced SymInt input of the graph, beside its tensors:
+    the traced backward collects gradients of the tensors only (once it asked a SymInt for
+    ``requires_grad``: every training call of a model given a cache object was refused)."""
+    from reference import flop_counter_call
+
+    model = ReadsHeldSizes()
+    wrapper = fxflops.instrument(model, backward=True, strict=True)
+    for rows, length in ((4, 6), (7, 3)):
+        x, keys = torch.randn(rows, 8), torch.randn(length, 8, requires_grad=True)
+        wrapper.flops.reset()
+        wrapper(x, Lengths(keys)).sum().backward()
+        expected = flop_counter_call(model, (x, Lengths(keys.detach().clone().requires_grad_(True))), {}, backward=True)
+        assert wrapper.flops.total() == expected > 0, (rows, length)
+    assert wrapper.captures == 1 and not wrapper.measured
+
+
 class InPlaceOnInput(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -1,14 +1,17 @@
 """Padding frames dropped by their pixel values, counted symbolically (``fxflops/adapters/frames.py``):
-Idefics3 and SmolVLM run their vision tower on the R frames of ``pixel_values`` that are not all
-zero, a size only the pixel values give (a derived size, ``capture/derived.py``).
+Idefics2, Idefics3 and SmolVLM run their vision tower and connector on the R frames of
+``pixel_values`` that are not all zero, a size only the pixel values give (a derived size,
+``capture/derived.py``).
 
 Tiny random-weight models (builders in ``test_hf_measured_families.py``) called on 1-6 frames in all
-(images split into 1x2 / 2x1 tiles + a global frame, or a global frame alone; a global frame of a
-non-square image partly padded), each in a random one of 1-3 right-padded sequences, all-zero padding
-frames up to the batch's most, text-only calls mixed in; eager attention (FlopCounterMode counts CPU
-SDPA as 0). Reference per call: FlopCounterMode on the same model and batch: forward per module,
-training per top-level module replayed alone and the step's total. Every image call counts through
-one program in R, nothing measured; a call whose frames are all padding is measured.
+(Idefics3 / SmolVLM: images split into 1x2 / 2x1 tiles + a global frame, or a global frame alone;
+Idefics2: one frame per image, its connector a perceiver resampler; a frame of a non-square image
+partly padded), each in a random one of 1-3 right-padded sequences, all-zero padding frames up to
+the batch's most, text-only calls mixed in; eager and sdpa attention (FlopCounterMode counts CPU
+SDPA as 0: an sdpa wrapper is checked against its eager twin). Reference per call: FlopCounterMode
+on the same batch through the eager model: forward per module, training per top-level module
+replayed alone and the step's total. Every image call counts through one program in R, nothing
+measured; a call whose frames are all padding is measured.
 """
 
 from __future__ import annotations
@@ -19,19 +22,24 @@ import pytest
 import torch
 
 import fxflops
-from reference import assert_count_on_host_and_device, assert_forward_per_module, assert_symbolic_in, assert_training_call_matches, flop_counter_modules, random_calls
-from test_hf_measured_families import FRAME_TOKENS, IMAGE, build_idefics3, build_smolvlm, idefics3_batch
+from reference import assert_count_on_host_and_device, assert_forward_per_module, assert_symbolic_in, assert_training_call_matches, flop_counter_modules, random_calls, with_attention
+from test_hf_measured_families import FRAME_TOKENS, IMAGE, build_idefics2, build_idefics3, build_smolvlm, idefics2_batch, idefics3_batch
 
 pytest.importorskip("transformers")
 
-FAMILIES = {"idefics3": build_idefics3, "smolvlm": build_smolvlm}
+FAMILIES = {  # family -> (build, batch(model, rng, images))
+    "idefics3": (build_idefics3, idefics3_batch),
+    "smolvlm": (build_smolvlm, idefics3_batch),
+    "idefics2": (build_idefics2, idefics2_batch),
+}
 CALLS = 10
 TEXT_ONLY = (3, 7)
 TOP_LEVEL = ["model.vision_model", "model.connector", "model.text_model", "lm_head"]
 
 
-def calls(model, seed: str, training: bool) -> list[dict]:
-    return random_calls(lambda rng, images: idefics3_batch(model, rng, images), seed, training, CALLS, TEXT_ONLY)
+def calls(family: str, model, seed: str, training: bool) -> list[dict]:
+    make_batch = FAMILIES[family][1]
+    return random_calls(lambda rng, images: make_batch(model, rng, images), seed, training, CALLS, TEXT_ONLY)
 
 
 def real_frames(pixel_values: torch.Tensor) -> int:
@@ -44,21 +52,25 @@ def check_symbolic(wrapper) -> None:
     assert_symbolic_in(wrapper, "image_frames")
 
 
-@pytest.mark.parametrize("family", ["idefics3", pytest.param("smolvlm", marks=pytest.mark.long)])
-def test_forward_counts_equal_flop_counter_per_module(family):
-    model = FAMILIES[family]()
-    wrapper = fxflops.instrument(model, strict=True)
-    assert_forward_per_module(wrapper, model, calls(model, f"{family}-forward", training=False), family)
+@pytest.mark.parametrize(
+    "family,attn",
+    [("idefics3", "eager"), ("idefics2", "eager"), pytest.param("smolvlm", "eager", marks=pytest.mark.long)]
+    + [pytest.param(f, "sdpa", marks=pytest.mark.long) for f in FAMILIES],
+)
+def test_forward_counts_equal_flop_counter_per_module(family, attn):
+    model = FAMILIES[family][0]()
+    wrapper = fxflops.instrument(with_attention(model, attn), strict=True)
+    assert_forward_per_module(wrapper, model, calls(family, model, f"{family}-forward", training=False), (family, attn))
     check_symbolic(wrapper)
 
 
 @pytest.mark.long  # ~1 min each: the default suite keeps its time (CI runs the long suite too)
-@pytest.mark.parametrize("family", FAMILIES)
-def test_training_counts_equal_flop_counter_per_top_level_module(family):
-    model = FAMILIES[family]()
-    wrapper = fxflops.instrument(model, backward=True, strict=True)
+@pytest.mark.parametrize("family,attn", [(f, "eager") for f in FAMILIES] + [("idefics2", "sdpa")])
+def test_training_counts_equal_flop_counter_per_top_level_module(family, attn):
+    model = FAMILIES[family][0]()
+    wrapper = fxflops.instrument(with_attention(model, attn), backward=True, strict=True)
     wrapper.train()
-    for i, batch in enumerate(calls(model, f"{family}-training", training=True)):
+    for i, batch in enumerate(calls(family, model, f"{family}-training", training=True)):
         paths = TOP_LEVEL if "pixel_values" in batch else TOP_LEVEL[2:]
         _, _, forward, training = assert_training_call_matches(wrapper, model, batch, paths, (family, i))
         assert training[""] > 2 * forward[""] > 0

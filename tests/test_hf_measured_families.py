@@ -1,8 +1,8 @@
 """Hugging Face VLM families whose symbolic capture fails inside a module (data-dependent Python
 code: loops over ``image_sizes``, ``.tolist()`` splits, ``if mask.any():``), counted exactly all the
 same by measured islands (``fxflops/islands.py``): Ovis2 and Emu3 (VQ-VAE image tokenizer).
-Mistral 3 counts symbolically (``test_hf_patch_grids.py``), and so do Idefics3 and SmolVLM
-(``test_hf_frames.py``) and Phi-4-multimodal's images (``test_hf_crops.py``), whose builders live here.
+Mistral 3 counts symbolically (``test_hf_patch_grids.py``), and so do Idefics2, Idefics3 and
+SmolVLM (``test_hf_frames.py``) and Phi-4-multimodal's images (``test_hf_crops.py``), whose builders live here.
 
 Each family is a tiny random-weight model built here with ``attn_implementation="eager"`` (attention
 as explicit matmuls, which FlopCounterMode counts) and called on random microbatches laid out as its
@@ -140,6 +140,45 @@ def idefics3_batch(model, rng: random.Random, images: bool) -> dict:
 def build_smolvlm() -> torch.nn.Module:
     """Idefics3's layout (SmolVLM's classes): 4 tokens per 32px frame; Llama text."""
     return build_idefics3("SmolVLM")
+
+
+IDEFICS2_LATENTS = 4  # the perceiver's latents: tokens per frame, whatever the frame's valid pixels
+
+
+def build_idefics2() -> torch.nn.Module:
+    """Idefics2: the SigLIP-style tower on 32px frames / patch 8 with a patch attention mask, a
+    connector of MLP + perceiver resampler (2 layers of cross-attention from 4 latents to the frame's
+    patches and themselves, masked by the patch mask); Mistral text."""
+    import transformers
+
+    config = transformers.Idefics2Config(
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_hidden_layers=2,
+                           image_size=FRAME, patch_size=8),
+        perceiver_config=dict(hidden_act="silu", resampler_n_latents=IDEFICS2_LATENTS, resampler_depth=2, resampler_n_heads=4,
+                              resampler_head_dim=8, num_key_value_heads=2, hidden_size=TEXT["hidden_size"]),
+        text_config=dict(TEXT, model_type="mistral"), image_token_id=IMAGE)
+    return eager(transformers.Idefics2ForConditionalGeneration, config)
+
+
+def idefics2_batch(model, rng: random.Random, images: bool) -> dict:
+    """1-6 frames in all (the processor without image splitting: one frame per image), each in a
+    random one of 1-3 sequences as <fake> <image> x 4 <fake>; pixel_values (sequences, most frames,
+    3, 32, 32) with all-zero padding frames, pixel_attention_mask marking each frame's valid pixels
+    (a non-square image is padded to the frame: rows or columns of patches off)."""
+    batch = rng.randint(1, 3)
+    owners = owners_of(rng, batch, rng.randint(1, 6) if images else 0)
+    call = sequences_with(rng, batch, [[START] + [IMAGE] * IDEFICS2_LATENTS + [START] for _ in owners], owners)
+    if not owners:
+        return call
+    frames = [owners.count(b) for b in range(batch)]
+    pixel_values = torch.zeros(batch, max(frames), 3, FRAME, FRAME)
+    mask = torch.zeros(batch, max(frames), FRAME, FRAME, dtype=torch.long)
+    for b in range(batch):
+        for k in range(frames[b]):
+            h, w = rng.choice([(FRAME, FRAME), (FRAME, FRAME // 2), (3 * FRAME // 4, FRAME)])
+            pixel_values[b, k, :, :h, :w] = torch.randn(3, h, w)
+            mask[b, k, :h, :w] = 1
+    return dict(call, pixel_values=pixel_values, pixel_attention_mask=mask)
 
 
 # --- Ovis2 ----------------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ import torch
 import fxflops
 from fxflops.conventions import FLOPCOUNTER
 from test_hf_anyres import FAMILIES as ANYRES
-from test_hf_measured_families import build_idefics3, build_smolvlm, idefics3_batch
+from test_hf_measured_families import build_idefics2, build_idefics3, build_smolvlm, idefics2_batch, idefics3_batch
 from test_hf_patch_grids import FAMILIES as GRIDS
 from test_hf_patch_grids import batch_of
 
@@ -43,6 +43,7 @@ FAMILIES = {  # family -> (build, batch(model, rng, images), the adapter piece)
     **{f: (*_grid_family(f), "grids") for f in GRIDS},
     "idefics3": (build_idefics3, idefics3_batch, "frames"),
     "smolvlm": (build_smolvlm, idefics3_batch, "frames"),
+    "idefics2": (build_idefics2, idefics2_batch, "frames"),
 }
 DEFAULT = ("idefics3",)  # the family whose stand-in once missed counted work; the rest in the long suite
 PARAMETERS = [f if f in DEFAULT else pytest.param(f, marks=pytest.mark.long) for f in FAMILIES]

@@ -1,8 +1,8 @@
-"""Padding frames dropped by their pixel values (Idefics3, SmolVLM), counted symbolically in the
-number of real frames.
+"""Padding frames dropped by their pixel values (Idefics2, Idefics3, SmolVLM), counted symbolically
+in the number of real frames.
 
 These families' processors split each image into frames (tiles of the vision tower's size, plus a
-global frame) and send ``pixel_values`` of shape (batch, frames, C, H, W): each sequence's frames,
+global frame; Idefics2 by default one frame per image) and send ``pixel_values`` of shape (batch, frames, C, H, W): each sequence's frames,
 padded to the batch's most with frames that are all zero. The model's ``get_image_features``
 (transformers, ``models/idefics3/modeling_idefics3.py``, ``models/smolvlm/modeling_smolvlm.py``)
 
@@ -11,8 +11,10 @@ padded to the batch's most with frames that are all zero. The model's ``get_imag
 2. runs its vision tower ``vision_model`` on the R frames (patch convolution, transformer) with a
    patch attention mask of each frame's valid pixels (positions and masking: no counted arithmetic,
    the same work for any mask);
-3. runs its ``connector`` (pixel shuffle + one linear layer) on the R frames' features, and hands
-   them to the language model as one piece per sequence (a split: data movement).
+3. runs its ``connector`` (Idefics3: pixel shuffle + one linear layer; Idefics2: an MLP and a
+   perceiver resampler of fixed latents attending to each frame's patches under its patch mask) on
+   the R frames' features, and hands them to the language model as one piece per sequence (a
+   split: data movement, kept packed while capturing, ``adapters/pieces.py``).
 
 R is a **derived size** (``capture/derived.py``), ``image_frames``: the rows of ``pixel_values``
 (batch and frames flattened) holding any non-zero value, which the binder counts per call (tensor

@@ -80,7 +80,8 @@ def tagging_recompute() -> Iterator[None]:
 
 def run_backward(outputs: list[torch.Tensor], leaves: list[torch.Tensor]) -> list[torch.Tensor]:
     """Backward from ``outputs`` (seeded with ones), every op tagged ``bwd``; returns the gradients
-    accumulated into ``leaves`` (fresh fake leaves of this capture)."""
+    accumulated into ``leaves`` (the capture's inputs: fresh fake leaves, and the SymInts of sizes an
+    argument object holds, a cache's lengths, which have none)."""
     roots = [t for t in outputs if t.requires_grad]
     if not roots:
         return []
@@ -91,4 +92,4 @@ def run_backward(outputs: list[torch.Tensor], leaves: list[torch.Tensor]) -> lis
             torch.autograd.backward(roots, [torch.ones_like(t) for t in roots])
     finally:
         _state["in_backward"] = outer
-    return [t.grad for t in leaves if t.requires_grad and t.grad is not None]
+    return [t.grad for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad and t.grad is not None]
