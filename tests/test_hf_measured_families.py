@@ -1,8 +1,10 @@
 """Hugging Face VLM families whose symbolic capture fails inside a module (data-dependent Python
 code: loops over ``image_sizes``, ``.tolist()`` splits, ``if mask.any():``), counted exactly all the
-same by measured islands (``fxflops/islands.py``): Ovis2 and Emu3 (VQ-VAE image tokenizer).
+same by measured islands (``fxflops/islands.py``): Ovis2, Emu3 (VQ-VAE image tokenizer) and
+Phi-4-multimodal's audio (a conformer encoder on 1-3 clips of mixed lengths, with images or not).
 Mistral 3 counts symbolically (``test_hf_patch_grids.py``), and so do Idefics2, Idefics3 and
-SmolVLM (``test_hf_frames.py``) and Phi-4-multimodal's images (``test_hf_crops.py``), whose builders live here.
+SmolVLM (``test_hf_frames.py``) and Phi-4-multimodal's images (``test_hf_crops.py``), whose
+builders live here.
 
 Each family is a tiny random-weight model built here with ``attn_implementation="eager"`` (attention
 as explicit matmuls, which FlopCounterMode counts) and called on random microbatches laid out as its
@@ -289,6 +291,32 @@ def phi4_batch(model, rng: random.Random, images: bool) -> dict:
     return dict(call, image_pixel_values=pixel_values, image_sizes=sizes, image_attention_mask=attention)
 
 
+PHI4_AUDIO, PHI4_TIME_REDUCTION = 251, 8  # the audio token; the encoder's subsampling (config default)
+
+
+def phi4_audio_batch(model, rng: random.Random, audio: bool) -> dict:
+    """1-3 audio clips of 20-70 feature frames (16 mel bins), padded to the longest (audio_attention_mask
+    marks each clip's frames), each clip's <audio> x ceil(frames / 8) (the encoder's output length, the
+    processor's audio_embed_sizes) at the end of a random one of the sequences; every other call also
+    with 1-4 images (``phi4_batch``: the vision-speech projection then)."""
+    call = phi4_batch(model, rng, images=audio and rng.random() < 0.5)
+    if not audio:
+        return call
+    lengths = [rng.randint(20, 70) for _ in range(rng.randint(1, 3))]
+    tokens = [-(-n // PHI4_TIME_REDUCTION) for n in lengths]
+    sequences = [ids[mask == 1].tolist() for ids, mask in zip(call["input_ids"], call["attention_mask"])]
+    for owner, count in zip(owners_of(rng, len(sequences), len(lengths)), tokens):
+        sequences[owner] += [PHI4_AUDIO] * count + words(rng, 1, 2)
+    ids, mask = padded(sequences)
+    features = torch.zeros(len(lengths), max(lengths), 16)
+    frames = torch.zeros(len(lengths), max(lengths), dtype=torch.bool)
+    for i, n in enumerate(lengths):
+        features[i, :n] = torch.randn(n, 16)
+        frames[i, :n] = True
+    return dict(call, input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100),
+                audio_input_features=features, audio_embed_sizes=torch.tensor(tokens), audio_attention_mask=frames)
+
+
 # --- Emu3 -----------------------------------------------------------------------------------------
 
 EMU3_CODES, EMU3_EOL, EMU3_IMAGE = 32, 249, 250  # visual words 200-231 in the text vocabulary
@@ -333,12 +361,21 @@ def emu3_batch(model, rng: random.Random, images: bool) -> dict:
 class Family:
     build: Callable[[], torch.nn.Module]
     batch: Callable[[torch.nn.Module, random.Random, bool], dict]
-    measured: tuple[str, ...]  # the modules whose own code is data-dependent: measured on every image call
+    measured: tuple[str, ...]  # the modules whose own code is data-dependent: measured on every media call
+    media: str = "pixel_values"  # the input a media call has (a text-only call has not)
+    also: tuple[str, ...] = ()  # measured on the media calls that have some other input too
 
 
 FAMILIES = {  # the measured modules: where each family's data-dependent line is
     "ovis2": Family(build_ovis2, ovis2_batch, ("model",)),  # if mask.any(): per visual indicator
     "emu3": Family(build_emu3, emu3_batch, ("model.vqmodel",)),  # encode: codes sliced by image_sizes
+    # Phi-4-multimodal's audio: `if (input_ids == audio_token_id).any():` in the embedding, a numpy
+    # streaming mask of the encoder's length in the encoder's own forward (its conformer layers trace);
+    # with images too, the image embedding's own code (its image tokens read from input_ids: the
+    # adapter's token count applies to the whole model's capture, not to a child's)
+    "phi4_audio": Family(build_phi4_multimodal, phi4_audio_batch,
+                         ("model.embed_tokens_extend", "model.embed_tokens_extend.audio_embed.encoder"), "audio_input_features",
+                         ("model.embed_tokens_extend.image_embed",)),
 }
 PARAMETERS = list(FAMILIES)
 
@@ -351,8 +388,9 @@ def random_batch(family: str, model, rng: random.Random, images: bool, training:
 
 
 def check_measured(family: str, wrapper, batch: dict, where) -> None:
-    if "pixel_values" in batch:  # measured exactly where the data-dependent code is
-        assert set(wrapper.measured) == set(FAMILIES[family].measured), (*where, wrapper.measured)
+    expected = FAMILIES[family]
+    if expected.media in batch:  # measured exactly where the data-dependent code is
+        assert set(expected.measured) <= set(wrapper.measured) <= {*expected.measured, *expected.also}, (*where, wrapper.measured)
 
 
 def check_programs(family: str, wrapper) -> None:
@@ -376,7 +414,7 @@ def test_forward_counts_equal_flop_counter_per_module(family):
         with torch.no_grad():
             wrapper(**batch)
         got = wrapper.flops.breakdown()
-        where = (family, i, "pixel_values" in batch, tuple(batch["input_ids"].shape))
+        where = (family, i, FAMILIES[family].media in batch, tuple(batch["input_ids"].shape))
         assert wrapper.flops.uncounted == 0, where
         assert wrapper.flops.total() == got[""] == expected[""] > 0, where
         for path, flops in expected.items():
@@ -404,7 +442,7 @@ def test_training_counts_equal_flop_counter(family):
         wrapper.flops.reset()
         model.zero_grad(set_to_none=True)
         wrapper(**batch).loss.backward()
-        where = (family, i, "pixel_values" in batch, tuple(batch["input_ids"].shape))
+        where = (family, i, FAMILIES[family].media in batch, tuple(batch["input_ids"].shape))
         assert wrapper.flops.uncounted == 0, where
         assert wrapper.flops.total() == training, where
         assert wrapper.flops.total(phase="fwd") == forward, where
