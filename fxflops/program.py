@@ -46,9 +46,7 @@ _CALLS, _MEASURED = sympy.Symbol("calls"), sympy.Symbol("measured_calls")  # boo
 
 def backward_rule(backward: bool | str) -> str:
     """``False`` -> ``"none"``, ``True`` -> ``"traced"``; ``"traced"``/``"2x"``/``"none"`` as they are."""
-    if isinstance(backward, bool):
-        return "traced" if backward else "none"
-    return backward
+    return ("traced" if backward else "none") if isinstance(backward, bool) else backward
 
 
 def _identity(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -90,8 +88,7 @@ class Basis:
 
     def with_measured(self, monomials: tuple, routed: Sequence[Any], complete: bool) -> tuple:
         """``monomials`` with the routed columns set and the call counted as measured if ``complete``."""
-        head = monomials[: len(self.monomials)]
-        return (*head, *routed, 1, int(complete))
+        return (*monomials[: len(self.monomials)], *routed, 1, int(complete))
 
     def calls(self, sums: Sequence[Any]) -> tuple[int, int]:
         """(calls, calls whose routing was measured) in accumulated monomials of an MoE program."""
@@ -393,6 +390,8 @@ class Program:
             raise GuardError(self.explain_guard_failure(values))
         monomials = self.monomials(*values)
         malformed = self.malformed(monomials)
+        if malformed.pop(OUTSIDE_KEY, 0):  # a guard on sizes derived on a device (fxflops/guards.py): read them
+            raise GuardError(self.explain_guard_failure(tuple(_exact_int(v) if isinstance(v, torch.Tensor) else v for v in values)))
         if malformed:
             raise MetadataError(f"malformed segment metadata {sorted(malformed)} (offsets not from 0, decreasing, or past the packed length)")
         return self.evaluate(monomials)

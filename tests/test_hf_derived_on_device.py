@@ -107,3 +107,12 @@ def test_frames_all_padding_on_a_device_are_reported_uncounted():
     with pytest.warns(UserWarning, match="outside their program's guards"):
         report = wrapper.flops.report()
     assert report.uncounted == 1 and report.calls == 0 and wrapper.captures == 1
+    # an explicit count (which may read the device) refuses it as outside the guard, not as bad
+    # metadata, with the host's words
+    with pytest.raises(fxflops.errors.GuardError) as on_device:
+        program.count(**padding)
+    program.binder.host_metadata = True
+    with pytest.raises(fxflops.errors.GuardError) as on_host:
+        program.count(**padding)
+    assert str(on_device.value) == str(on_host.value)
+    assert "image_frames=0" in str(on_host.value) and "image_frames >= 1" in str(on_host.value)
