@@ -25,7 +25,7 @@ from fxflops.errors import MetadataError
 from fxflops.rules import entry_for
 from fxflops.rules.not_counted import is_not_counted
 from reference import assert_forward_per_module, assert_symbolic_in, assert_training_call_matches, flop_counter_modules, random_calls, with_attention
-from test_hf_measured_families import IMAGE, TEXT, eager, owners_of, sequences_with
+from test_hf_measured_families import IMAGE, TEXT, eager, owners_of, padded, sequences_with
 
 pytest.importorskip("transformers")
 
@@ -109,6 +109,28 @@ def llava_onevision_batch(model, rng: random.Random, images: bool) -> dict:
     return dict(call, pixel_values=pixel_values, **extra)
 
 
+VIDEO = 251  # LLaVA-OneVision's video token
+
+
+def llava_onevision_video_batch(model, rng: random.Random, images: bool) -> dict:
+    """An image call (``images``) is one of: 1-2 videos of 1, 2 or 4 frames (32px) alone, the same with
+    1-6 images (``llava_onevision_batch``), or images alone; each video's <video> tokens as many as its
+    features (pooled frames + one newline, from the model's own ``get_video_features``) at the end of
+    a random sequence; pixel_values_videos (videos, frames, 3, 32, 32)."""
+    kind = rng.choice(["videos", "images+videos", "images"]) if images else "text"
+    call = llava_onevision_batch(model, rng, kind.startswith("images"))
+    if "videos" not in kind:
+        return call
+    videos = torch.randn(rng.randint(1, 2), rng.choice([1, 2, 4]), 3, TILE, TILE)
+    with torch.no_grad():
+        tokens = model.model.get_video_features(videos).pooler_output.shape[1]
+    sequences = [ids[mask == 1].tolist() for ids, mask in zip(call["input_ids"], call["attention_mask"])]
+    for owner in owners_of(rng, len(sequences), videos.shape[0]):
+        sequences[owner] += [VIDEO] * tokens + [rng.randrange(50, 200)]
+    ids, mask = padded(sequences)
+    return dict(call, input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100), pixel_values_videos=videos)
+
+
 FAMILIES = {"llava_next": (build_llava_next, llava_next_batch), "llava_onevision": (build_llava_onevision, llava_onevision_batch)}
 CALLS = 10
 TEXT_ONLY = (3, 7)
@@ -147,6 +169,34 @@ def test_training_counts_equal_flop_counter_per_top_level_module(family, attn):
         _, _, forward, training = assert_training_call_matches(wrapper, reference, batch, paths, (family, attn, i))
         assert training[""] > 2 * forward[""] > 0
     check_symbolic(wrapper)
+
+
+@pytest.mark.parametrize("attn", ["eager", pytest.param("sdpa", marks=pytest.mark.long)])
+def test_onevision_videos_count_symbolically_in_videos_and_frames(attn):
+    """LLaVA-OneVision's videos (videos, frames, C, H, W), alone or with images, 1-2 videos of 1-4
+    frames: forward per module equal FlopCounterMode, programs in ``videos`` and ``video_frames``
+    per layout (videos alone, with images), and per side of the guard videos·frames = 1 that the
+    model's own ``apply_pooling`` view makes (one video of one frame); nothing measured."""
+    reference = build_llava_onevision()
+    wrapper = fxflops.instrument(with_attention(reference, attn), strict=True)
+    batches = random_calls(lambda rng, images: llava_onevision_video_batch(reference, rng, images), "onevision-videos", False, 12, (5,))
+    assert {v.shape[0] for b in batches if "pixel_values_videos" in b for v in [b["pixel_values_videos"]]} == {1, 2}
+    assert_forward_per_module(wrapper, reference, batches, ("onevision-videos", attn))
+    videos = [p for p in wrapper.programs if "video_frames" in map(str, p.all_symbols)]
+    assert 1 <= len(videos) <= 4 and all({"videos", "video_frames"} <= set(map(str, p.symbols)) for p in videos)
+    assert wrapper.measured == {} and wrapper.flops.uncounted == 0 and wrapper.captures <= 6
+
+
+@pytest.mark.long
+def test_onevision_video_training_counts_equal_flop_counter_per_top_level_module():
+    reference = build_llava_onevision()
+    wrapper = fxflops.instrument(reference, backward=True, strict=True)
+    wrapper.train()
+    batches = random_calls(lambda rng, images: llava_onevision_video_batch(reference, rng, images), "onevision-video-training", True, 10, (5,))
+    for i, batch in enumerate(batches):
+        paths = TOP_LEVEL if "pixel_values" in batch or "pixel_values_videos" in batch else TOP_LEVEL[2:]
+        assert_training_call_matches(wrapper, reference, batch, paths, ("onevision-videos", i))
+    assert wrapper.measured == {} and wrapper.flops.uncounted == 0
 
 
 def test_the_model_computes_what_it_computes_unpacked():

@@ -23,8 +23,8 @@ what the model and transformers themselves declare, never from a list of model c
 - **Mixture-of-experts layers** are traced through transformers' ``batched_mm`` experts
   implementation, whose shapes are static (:func:`_experts_as_batched_matmuls`).
 - **Dims** are named ``batch``, ``seq``, ``patches``/``video_patches`` (packed vision inputs) or
-  ``images``, ``height``, ``width`` (batched pixel inputs); the values per packed patch are static; any other dim is
-  ``<argument>_<dim>``, free unless the model fixes it.
+  ``images``, ``height``, ``width`` (batched pixel inputs; ``videos``, ``video_frames`` of batched videos); the values
+  per packed patch are static; any other dim is ``<argument>_<dim>``, free unless the model fixes it.
 
 A family that derives metadata some other way gets the usual capture error naming the model line that
 could not be traced (and with ``instrument``, an uncounted call and one warning), never a wrong count.
@@ -323,7 +323,7 @@ def _cache_dims(rank: int) -> dict[int, str]:
 
 # known names that count independent items (sequences, images, videos): 1 in an example is one of
 # many sizes; every other size of 1 (a decode step's one token, a mask's broadcast head dim) is static
-COUNTS = frozenset({"batch", "images", "videos", "tiles", "frames", "crops"})
+COUNTS = frozenset({"batch", "images", "videos", "video_frames", "tiles", "frames", "crops"})
 
 
 def _known_dims(label: str, rank: int) -> dict[int, str]:
@@ -339,6 +339,8 @@ def _known_dims(label: str, rank: int) -> dict[int, str]:
             return {0: name}
         if label == pixels and rank == 4:
             return {0: "images" if pixels == "pixel_values" else "videos", 2: "height", 3: "width"}
+    if label == "pixel_values_videos" and rank == 5:  # (videos, frames, channels, height, width)
+        return {0: "videos", 1: "video_frames", 3: "height", 4: "width"}
     return {}
 
 
