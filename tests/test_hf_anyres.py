@@ -109,16 +109,34 @@ def llava_onevision_batch(model, rng: random.Random, images: bool) -> dict:
     return dict(call, pixel_values=pixel_values, **extra)
 
 
-VIDEO = 251  # LLaVA-OneVision's video token
+VIDEO = 251  # the video token (LLaVA-OneVision, LLaVA-NeXT-Video)
 
 
 def llava_onevision_video_batch(model, rng: random.Random, images: bool) -> dict:
-    """An image call (``images``) is one of: 1-2 videos of 1, 2 or 4 frames (32px) alone, the same with
-    1-6 images (``llava_onevision_batch``), or images alone; each video's <video> tokens as many as its
-    features (pooled frames + one newline, from the model's own ``get_video_features``) at the end of
-    a random sequence; pixel_values_videos (videos, frames, 3, 32, 32)."""
+    """An image call (``images``) is one of: 1-2 videos alone (:func:`with_videos`), the same with
+    1-6 images (``llava_onevision_batch``), or images alone."""
     kind = rng.choice(["videos", "images+videos", "images"]) if images else "text"
-    call = llava_onevision_batch(model, rng, kind.startswith("images"))
+    return with_videos(model, rng, llava_onevision_batch(model, rng, kind.startswith("images")), kind)
+
+
+def build_llava_next_video() -> torch.nn.Module:
+    """LLaVA-NeXT's tower, grids and text, with LLaVA-NeXT-Video's 2x2 average pooling of each
+    frame's features."""
+    import transformers
+
+    config = transformers.LlavaNextVideoConfig(
+        vision_config=dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_attention_heads=4,
+                           num_hidden_layers=2, image_size=TILE, patch_size=8, projection_dim=32),
+        text_config=dict(TEXT, model_type="llama"), image_token_index=IMAGE, video_token_index=VIDEO,
+        image_grid_pinpoints=PINPOINTS, vision_feature_layer=-2, vision_feature_select_strategy="default",
+        spatial_pool_stride=2)
+    return eager(transformers.LlavaNextVideoForConditionalGeneration, config)
+
+
+def with_videos(model, rng: random.Random, call: dict, kind: str) -> dict:
+    """``call`` with 1-2 videos of 1, 2 or 4 frames (32px) when ``kind`` names videos: each video's
+    <video> tokens as many as its features (from the model's own ``get_video_features``) at the end
+    of a random sequence; pixel_values_videos (videos, frames, 3, 32, 32)."""
     if "videos" not in kind:
         return call
     videos = torch.randn(rng.randint(1, 2), rng.choice([1, 2, 4]), 3, TILE, TILE)
@@ -129,6 +147,12 @@ def llava_onevision_video_batch(model, rng: random.Random, images: bool) -> dict
         sequences[owner] += [VIDEO] * tokens + [rng.randrange(50, 200)]
     ids, mask = padded(sequences)
     return dict(call, input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100), pixel_values_videos=videos)
+
+
+def llava_next_video_batch(model, rng: random.Random, images: bool) -> dict:
+    """As :func:`llava_onevision_video_batch`, LLaVA-NeXT's images."""
+    kind = rng.choice(["videos", "images+videos", "images"]) if images else "text"
+    return with_videos(model, rng, llava_next_batch(model, rng, kind.startswith("images")), kind)
 
 
 FAMILIES = {"llava_next": (build_llava_next, llava_next_batch), "llava_onevision": (build_llava_onevision, llava_onevision_batch)}
@@ -196,6 +220,19 @@ def test_onevision_video_training_counts_equal_flop_counter_per_top_level_module
     for i, batch in enumerate(batches):
         paths = TOP_LEVEL if "pixel_values" in batch or "pixel_values_videos" in batch else TOP_LEVEL[2:]
         assert_training_call_matches(wrapper, reference, batch, paths, ("onevision-videos", i))
+    assert wrapper.measured == {} and wrapper.flops.uncounted == 0
+
+
+@pytest.mark.long
+def test_llava_next_video_counts_exactly_per_video_shape():
+    """LLaVA-NeXT-Video's forward cuts the video features per video in Python and makes a tensor of
+    their lengths (``torch.tensor([feature.size(0) for ...])``), which fixes the videos' sizes in the
+    trace: a video call is counted by a program of its video shape (captured again for another),
+    exactly; the images count in tiles as LLaVA-NeXT's. Forward per module equals FlopCounterMode."""
+    reference = build_llava_next_video()
+    wrapper = fxflops.instrument(reference, strict=True)
+    batches = random_calls(lambda rng, images: llava_next_video_batch(reference, rng, images), "next-video", False, 10, (5,))
+    assert_forward_per_module(wrapper, reference, batches, "llava_next_video")
     assert wrapper.measured == {} and wrapper.flops.uncounted == 0
 
 
