@@ -54,7 +54,7 @@ def check_symbolic(wrapper) -> None:
 
 @pytest.mark.parametrize(
     "family,attn",
-    [("idefics3", "eager"), ("idefics2", "eager"), pytest.param("smolvlm", "eager", marks=pytest.mark.long)]
+    [("idefics3", "eager")] + [pytest.param(f, "eager", marks=pytest.mark.long) for f in ("smolvlm", "idefics2")]
     + [pytest.param(f, "sdpa", marks=pytest.mark.long) for f in FAMILIES],
 )
 def test_forward_counts_equal_flop_counter_per_module(family, attn):
