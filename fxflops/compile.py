@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import functools
 import re
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -45,7 +44,7 @@ from fxflops.capture.scope import capture_scope
 from fxflops.capture.shape_env import BlamingShapeEnv
 from fxflops.capture.symbols import guards_of, in_public_symbols, named_symbol
 from fxflops.capture.trace import Captured
-from fxflops.errors import CaptureError, FxFlopsError
+from fxflops.errors import CaptureError, FxFlopsError, warn
 from fxflops.meter import Meter
 from fxflops.analysis.paths import module_path
 from fxflops.program import Program
@@ -255,7 +254,7 @@ class CountingBackend:
     def _warn(self, message: str) -> None:
         if message not in self._warned:
             self._warned.add(message)
-            warnings.warn(f"fxflops: {message}", stacklevel=3)
+            warn(f"fxflops: {message}", stacklevel=3)
 
 
 def backend(

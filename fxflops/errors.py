@@ -37,3 +37,15 @@ class InputError(FxFlopsError):
 class MetadataError(FxFlopsError):
     """Segment metadata is malformed: offsets that decrease or overrun the packed length, a grid
     inconsistent with the patches it describes. The message names the input."""
+
+
+def warn(message: str, stacklevel: int = 2) -> None:
+    """``warnings.warn(message)`` that never raises: telemetry's warnings must not stop a training
+    step, also when the user's filters turn warnings into errors (``-W error``,
+    ``warnings.simplefilter("error")``, pytest's ``-W error``)."""
+    import warnings
+
+    try:
+        warnings.warn(message, stacklevel=stacklevel + 1)
+    except Exception:  # noqa: BLE001 - a warning filter set to "error": the message is dropped, the step goes on
+        pass

@@ -35,8 +35,7 @@ import inspect
 import threading
 import time
 import types
-import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,7 +44,9 @@ import torch.utils._pytree as pytree
 
 from fxflops.call_keys import CallKeys
 from fxflops.capture.engines import not_a_microbatch, traced_module
-from fxflops.errors import CaptureError, FxFlopsError, GuardError, InputError, MetadataError
+from fxflops.capture.outputs import holds_iterator, output_tensors
+from fxflops.capture.scope import capturing
+from fxflops.errors import CaptureError, FxFlopsError, GuardError, InputError, MetadataError, warn
 from fxflops.adapters import adapter_for
 from fxflops.generation import counting_own_calls, generated_tokens
 from fxflops.islands import MeasuredCall, Spine
@@ -189,11 +190,13 @@ class Instrumented(torch.nn.Module):
         # dataset columns that are forward parameters, and finds label names there)
         self.forward = types.MethodType(_with_signature(type(self).forward, self.traced.forward), self)
         self._lock = threading.Lock()
+        self._lock_owner: int | None = None  # the thread holding it
+        self._attempt = threading.local()  # .failed: (branch, refusal) of a capture that failed on this thread's call
         self._recent: dict[tuple, tuple] = {}  # call layout -> (check, modes, program) of recent situations
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
-        for runtime in ("forward", "_lock", "_recent"):
+        for runtime in ("forward", "_lock", "_lock_owner", "_attempt", "_recent"):
             state.pop(runtime, None)
         return state
 
@@ -221,12 +224,36 @@ class Instrumented(torch.nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling():  # torch.compile(instrument(model)): see the module docstring
             return self._compiled_forward(args, kwargs)
-        args, kwargs, found = self._look_up(args, kwargs)
-        if found is not None and isinstance(found[0], Spine):
-            return self._measured(found[0], self.model, args, kwargs)
-        out = self.model(*args, **kwargs)
-        self._add(found, out)
+        if capturing() or id(self.flops) in _RUNNING.meters:
+            # inside a capture (an instrumented submodule is traced as the model's code), or inside a
+            # call this meter counts (a model calling its own wrapper): that call's count has this work
+            return self.model(*args, **kwargs)
+        self._attempt.failed = None
+        args, kwargs, found, deferred = self._look_up(args, kwargs, defer=True)
+        measured = found is not None and isinstance(found[0], Spine)
+        try:
+            with _running(self.flops):
+                out = self._measured(found[0], self.model, args, kwargs) if measured else self.model(*args, **kwargs)
+        except BaseException:
+            self._forget_failed_capture()
+            raise
+        if deferred is not None:  # strict: fxflops' own error, raised once the model ran without one of its own
+            raise deferred
+        if not measured:
+            self._add(found, out)
         return out
+
+    def _forget_failed_capture(self) -> None:
+        """The model raised on this call: a capture that failed on it (the model's own ``assert``, a
+        wrong feature size) says nothing of the calls that run, so its refusal is not kept."""
+        failed, self._attempt.failed = self._attempt.failed, None
+        if failed is None:
+            return
+        branch, refusal = failed
+        with self._lock:
+            if any(r is refusal for r in branch.refusals):
+                branch.refusals = [r for r in branch.refusals if r is not refusal]
+                branch.attempts = max(branch.attempts - 1, 0)
 
     def _compiled_forward(self, args: tuple, kwargs: dict) -> Any:
         args, kwargs, found = self._look_up_eagerly(args, kwargs)
@@ -281,20 +308,27 @@ class Instrumented(torch.nn.Module):
                     found.update(refusal.spine.reasons)
         return found
 
-    def _look_up(self, args: tuple, kwargs: dict) -> tuple[tuple, dict, tuple | None]:
+    def _look_up(self, args: tuple, kwargs: dict, defer: bool = False) -> tuple:
         """The call as the model runs it, and its (program, symbol values), or None when it is not
-        counted. Found (or captured) before the model runs, so a first call's routing is measured too."""
+        counted. Found (or captured) before the model runs, so a first call's routing is measured too.
+        ``defer``: also return the error to raise once the model has run (``strict``, ``on_miss="raise"``:
+        the model's own exception, if it raises one, comes first), else None."""
         if not_a_microbatch():  # a pipeline stage inferring its shapes (capture/engines.py)
-            return args, kwargs, None
+            return (args, kwargs, None, None) if defer else (args, kwargs, None)
+        deferred = None
         try:
             args, kwargs = self._prepare(args, kwargs)
             found = self._program_for(args, kwargs)
             if self.routing is not None:
                 self.routing.take()  # measurements of an earlier call that was not counted
-            return args, kwargs, found
         except Exception as exc:  # noqa: BLE001 - the one fail-open boundary (module docstring)
-            self._not_counted(exc)
-            return args, kwargs, None
+            found = None
+            if defer and self._raises(exc):
+                self.flops.not_counted()
+                deferred = exc
+            else:
+                self._not_counted(exc)
+        return (args, kwargs, found, deferred) if defer else (args, kwargs, found)
 
     def _add(self, found: tuple | None, out: Any, phase: str = "fwd") -> None:
         """Add the call's count to the meter (its backward too when one can follow; else its forward
@@ -349,9 +383,13 @@ class Instrumented(torch.nn.Module):
     def _not_counted_eagerly(self, exc: Exception) -> None:
         torch.compiler.disable(self._not_counted)(exc)
 
+    def _raises(self, exc: Exception) -> bool:
+        """Whether the user asked for ``exc`` to be raised rather than counted as uncounted."""
+        return self.strict or (self.on_miss == "raise" and isinstance(exc, GuardError))
+
     def _not_counted(self, exc: Exception) -> None:
         """A call fxflops could not count: raise when asked to, else count it as uncounted and warn once."""
-        if self.strict or (self.on_miss == "raise" and isinstance(exc, GuardError)):
+        if self._raises(exc):
             raise exc
         self.flops.not_counted()
         message = str(exc) if isinstance(exc, FxFlopsError) else f"internal error {type(exc).__name__}: {exc}"
@@ -404,7 +442,7 @@ class Instrumented(torch.nn.Module):
             measured = branch.refusal(_size_class(args, kwargs))
             if measured is not None and measured.spine is not None:
                 return measured.spine, None
-        with self._lock:  # one capture per situation, also when two threads make its first call
+        with self._capturing():  # one capture per situation, also when two threads make its first call
             branch = self._branches.setdefault(situation, _Branch())
             program, miss = branch.find(args, kwargs)
             if program is not None:
@@ -428,11 +466,30 @@ class Instrumented(torch.nn.Module):
             try:
                 program = self._capture(branch, situation, sizes, args, kwargs, roots)
             except CaptureError as exc:
+                self._attempt.failed = (branch, branch.refusals[-1])
                 if exc.module is None or not self.measure:
                     raise
                 branch.refusals[-1].spine = Spine(exc.module, str(exc))
                 return branch.refusals[-1].spine, None
+            except Exception:
+                self._attempt.failed = (branch, branch.refusals[-1])
+                raise
         return program, program.binder.values(args, kwargs)
+
+    @contextlib.contextmanager
+    def _capturing(self) -> Iterator[None]:
+        """Hold the capture lock. A call that reaches this wrapper again from the thread holding it
+        (the model's code calling its own wrapper while it is captured or measured, a hook re-running
+        the model) is refused, not left waiting for itself."""
+        me = threading.get_ident()
+        if self._lock_owner == me:
+            raise FxFlopsError(f"{type(self.traced).__name__}: called again from inside its own capture (re-entrant call): not counted")
+        with self._lock:
+            self._lock_owner = me
+            try:
+                yield
+            finally:
+                self._lock_owner = None
 
     def _remember(self, layout: tuple, situation: tuple, program: Program, args: tuple, kwargs: dict) -> None:
         """Put ``program`` (found for this call's situation) first among those tested fast for calls of
@@ -506,7 +563,26 @@ class Instrumented(torch.nn.Module):
     def _warn_once(self, message: str) -> None:
         if message not in self._warned:
             self._warned.add(message)
-            warnings.warn(f"fxflops: call not counted: {message}", stacklevel=4)
+            warn(f"fxflops: call not counted: {message}", stacklevel=4)
+
+
+class _Running(threading.local):
+    """The meters (by id) whose counted calls are running the model in this thread."""
+
+    meters: frozenset[int] = frozenset()
+
+
+_RUNNING = _Running()
+
+
+@contextlib.contextmanager
+def _running(meter: Meter) -> Iterator[None]:
+    before = _RUNNING.meters
+    _RUNNING.meters = before | {id(meter)}
+    try:
+        yield
+    finally:
+        _RUNNING.meters = before
 
 
 def _with_signature(method: Any, model_forward: Any) -> Any:
@@ -527,10 +603,14 @@ def _joined(prefix: str, path: str) -> str:
 
 
 def _requires_grad(out: Any) -> bool:
-    """True if any tensor in the output requires grad (so a backward can follow this forward)."""
+    """True if any tensor in the output requires grad (so a backward can follow this forward). An
+    output holding an iterator (a generator) hides its tensors until consumed: whether a backward
+    follows cannot be seen, so such a call is refused (FxFlopsError), never counted as a forward."""
     if isinstance(out, torch.Tensor):
         return out.requires_grad
-    return any(isinstance(t, torch.Tensor) and t.requires_grad for t in pytree.tree_leaves(out))
+    if holds_iterator(out):
+        raise FxFlopsError("the output holds an iterator: whether a backward follows this call cannot be seen")
+    return any(t.requires_grad for t in output_tensors(out))
 
 
 def instrument(

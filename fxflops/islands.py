@@ -55,6 +55,7 @@ from fxflops.analysis.paths import ancestors
 from fxflops.analysis.terms import Term, Unsupported
 from fxflops.binder import Binder
 from fxflops.capture.graph import backward_roots
+from fxflops.capture.outputs import output_tensors
 from fxflops.capture.isolation import isolated_call
 from fxflops.errors import CaptureError, FxFlopsError
 from fxflops.program import Program
@@ -478,7 +479,7 @@ class MeasuredCall:
         if found is not None and not self.training:
             self.children.append(_ChildCall(path, counter, found, None, [], [], first, _sequence_nr(), set()))
         elif found is not None:  # what the walk of the autograd graph needs (``_reached``)
-            outputs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+            outputs = output_tensors(out)
             inputs = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
             roots = {id(t) for t in backward_roots(out, outputs)}
             defaults = {i for i, t in enumerate(outputs) if id(t) in roots and t.requires_grad}
@@ -527,7 +528,7 @@ class MeasuredCall:
         """Which output leaves of each child the backward from the loss (or every floating output)
         reaches: a walk of the autograd graph over this call's own nodes, jumping across each child
         from its outputs to its inputs. Also collects those own nodes (``own_nodes``)."""
-        leaves = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]
+        leaves = output_tensors(out)
         outputs_at: dict[tuple[Any, int], list[tuple[_ChildCall, int]]] = defaultdict(list)
         for child in self.children:
             for i, tensor in enumerate(child.outputs):

@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import threading
 import time
-import warnings
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from fxflops.analysis.paths import ancestors, depth as path_depth, join
+from fxflops.errors import warn
 from fxflops.guards import OUTSIDE_KEY
 from fxflops.situation import STRUCTURE
 
@@ -268,7 +268,9 @@ class Meter:
         world_size = dist.get_world_size(group) if distributed else 1
         if distributed:
             totals = self.all_reduce(totals, group)
-        if peak_flops is not None:
+        if peak_flops is not None and not float(peak_flops) > 0:  # 0, negative or NaN: no utilisation to divide by
+            peak, source = None, f"peak_flops={peak_flops!r} given by the user is not a positive number"
+        elif peak_flops is not None:
             peak, source = float(peak_flops), "given by the user"
         else:
             peak, source = lookup_peak(device, dtype)
@@ -291,7 +293,7 @@ class Meter:
             measured=self.measured(),
         )
         if report.malformed:
-            warnings.warn(f"fxflops: {report.malformed_text()}", stacklevel=2)
+            warn(f"fxflops: {report.malformed_text()}", stacklevel=2)
         if reset:
             self.reset()
         return report

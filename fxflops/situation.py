@@ -28,6 +28,7 @@ registered on a module). A call in another situation gets its own program, or a 
 
 from __future__ import annotations
 
+import functools
 import itertools
 import weakref
 from collections.abc import Callable
@@ -128,7 +129,7 @@ class Structure:
     def __init__(self) -> None:
         self.version = 0
         self._installed = False
-        self._tracked: weakref.WeakSet = weakref.WeakSet()
+        self._tracked: dict[int, weakref.ref] = {}  # by id: a module class may define __eq__ without __hash__
 
     def track(self, model: torch.nn.Module) -> None:
         """Count registrations on ``model``'s modules from now on."""
@@ -139,14 +140,26 @@ class Structure:
             module.register_module_parameter_registration_hook(self._registered)
             module.register_module_buffer_registration_hook(self._registered)
             self._installed = True
-        self._tracked.update(model.modules())
+        for m in model.modules():
+            if self._tracked.get(id(m), _dead)() is not m:
+                self._tracked[id(m)] = weakref.ref(m, functools.partial(self._forget, id(m)))
+
+    def _forget(self, key: int, ref: weakref.ref) -> None:
+        if self._tracked.get(key) is ref:
+            del self._tracked[key]
 
     def _registered(self, module: torch.nn.Module, name: str, value: Any) -> None:
-        if module in self._tracked:
+        """torch's hook for every registration in the process: never raises into the user's code."""
+        ref = self._tracked.get(id(module))
+        if ref is not None and ref() is module:
             self.version += 1
 
     def bump(self) -> None:
         self.version += 1
+
+
+def _dead() -> None:
+    return None
 
 
 STRUCTURE = Structure()

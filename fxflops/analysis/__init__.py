@@ -9,7 +9,6 @@ module-path helpers every stage uses.
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 
 import sympy
@@ -23,7 +22,7 @@ from fxflops.analysis.segments import Family, SegmentAnalysis
 from fxflops.analysis.terms import Term, Unsupported
 from fxflops.capture.inputs import path_label
 from fxflops.capture.trace import Captured
-from fxflops.errors import CaptureError
+from fxflops.errors import CaptureError, warn
 
 
 @dataclass(frozen=True)
@@ -52,7 +51,7 @@ class Analysis:
 def _warn_unsupported(unsupported: list[Unsupported]) -> None:
     for op in sorted({u.op for u in unsupported}):
         where = sorted({u.module or "<root>" for u in unsupported if u.op == op})
-        warnings.warn(
+        warn(
             f"fxflops: no FLOPs rule for {op} (in {', '.join(where)}); its work is not counted "
             "and program.unsupported lists it. Register one with fxflops.rules.register.",
             stacklevel=4,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import traceback
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -22,6 +22,7 @@ from torch.fx.experimental.proxy_tensor import _AttrProxy, _ModuleStackTracer, m
 
 from fxflops.capture.derived import TracedSize
 from fxflops.capture.inputs import Path, put
+from fxflops.capture.outputs import loss_of, output_tensors
 from fxflops.capture.phases import run_backward, tagging_recompute
 from fxflops.capture.reuse import LayerCalledTwice
 from fxflops.capture.scope import patched
@@ -197,7 +198,7 @@ def trace_graph(
         out = torch.func.functional_call(model, swapped, call_args, call_kwargs, tie_weights=False, strict=False)
         out_leaves, spec = pytree.tree_flatten(out)
         structure.extend([spec, [TENSOR if isinstance(x, torch.Tensor) else x for x in out_leaves]])
-        outputs = [x for x in out_leaves if isinstance(x, torch.Tensor)]
+        outputs = output_tensors(out)
         if backward:
             differentiated = backward_roots(out, outputs) if roots is None else [outputs[i] for i in roots]
             return outputs + run_backward(differentiated, list(flat))
@@ -255,7 +256,7 @@ def backward_roots(out: Any, outputs: list[torch.Tensor]) -> list[torch.Tensor]:
     ``ModelOutput``, a dict), as ``out.loss.backward()`` does; else every floating-point output
     (``loss = sum of the outputs``). Other outputs of a model with a loss (LLaVA returns the vision
     tower's last hidden state, which its projector does not read) get no gradient in training."""
-    loss = out.get("loss") if isinstance(out, Mapping) else None
+    loss = loss_of(out)
     if isinstance(loss, torch.Tensor) and loss.dtype.is_floating_point:
         return [loss]
     return [x for x in outputs if x.dtype.is_floating_point]

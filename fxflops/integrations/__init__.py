@@ -31,12 +31,12 @@ only by the submodule that needs them, when that submodule is imported: ``import
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
+from fxflops.errors import warn
 from fxflops.meter import Meter
 
 
@@ -172,4 +172,4 @@ class _WarnOnce:
     def __call__(self, message: str) -> None:
         if message not in self.seen:
             self.seen.add(message)
-            warnings.warn(f"fxflops: {message}", stacklevel=3)
+            warn(f"fxflops: {message}", stacklevel=3)

@@ -1,0 +1,199 @@
+"""Telemetry never breaks a step, even in the corners hostile users reach (issue 13's promise, probed).
+
+- Warnings turned into errors (``-W error``) do not turn fxflops' own warnings into exceptions.
+- A module class that is not hashable can still be built after a capture (torch's global
+  registration hooks that fxflops installs never raise).
+- A model that calls its own wrapper from its forward does not hang and is counted once; an
+  instrumented submodule inside an instrumented model counts its calls on its own meter, and the
+  outer meter counts everything once.
+- The model's own exception on a call whose capture failed (an ``assert``, a wrong feature size)
+  propagates unchanged, with ``strict=True`` too, and does not make later valid calls uncounted
+  or measured.
+- An output fxflops' pytree does not know (a plain ``@dataclass``) still has its backward counted;
+  an output holding a generator, whose tensors cannot be seen, is refused in training, never
+  counted as a forward alone.
+- ``report(peak_flops=0)`` has no MFU instead of dividing by zero.
+
+Every count is compared with FlopCounterMode on the same call (``reference.flop_counter_call``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import fxflops
+from reference import flop_counter_call
+
+
+class Small(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x):
+        if x.shape[0] > 16:
+            raise ValueError(f"batch too large: {x.shape[0]}")
+        return self.head(torch.relu(self.fc(x)))
+
+
+def _counted(wrapper, x, backward=False):
+    wrapper.flops.reset()
+    out = wrapper(x)
+    if backward:
+        out.sum().backward()
+    return wrapper.flops.total()
+
+
+def test_warnings_as_errors_never_reach_the_step():
+    class Unsupported(nn.Module):  # a capture that fails: its warning would be raised under -W error
+        def forward(self, x):
+            return x[: int((x[:, 0] > 0).sum()) + 1] @ x.T
+
+    wrapper = fxflops.instrument(Unsupported(), measure=False)
+    x = torch.randn(4, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = wrapper(x)
+    assert torch.equal(out, Unsupported()(x))
+    assert wrapper.flops.uncounted == 1
+
+
+def test_an_unhashable_module_class_is_buildable_after_a_capture():
+    wrapper = fxflops.instrument(Small())
+    wrapper(torch.randn(4, 8))
+
+    @dataclasses.dataclass(eq=True)
+    class Holder(nn.Module):  # eq without hash: instances are unhashable
+        width: int = 8
+
+        def __post_init__(self):
+            super().__init__()
+            self.fc = nn.Linear(self.width, self.width)  # a registration torch's global hooks see
+
+    with pytest.raises(TypeError):
+        hash(Holder())
+    assert Holder().fc.in_features == 8
+
+
+class CallsItsWrapper(nn.Module):
+    """A model whose forward calls the wrapper around it (held in ``calls``) once more."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.calls = [self]
+
+    def forward(self, x, depth: int = 0):
+        x = self.fc(x)
+        return self.calls[0](x, depth + 1) if depth < 1 else x
+
+
+def test_a_model_calling_its_own_wrapper_is_counted_once_without_hanging():
+    model = CallsItsWrapper()
+    reference = flop_counter_call(model, (torch.randn(4, 8),), {}, backward=False)  # calls itself: two layers
+    wrapper = fxflops.instrument(model)
+    model.calls[0] = wrapper
+    results = []
+    worker = threading.Thread(target=lambda: results.extend(_counted(wrapper, torch.randn(4, 8)) for _ in range(2)), daemon=True)
+    worker.start()
+    worker.join(timeout=60)
+    assert not worker.is_alive(), "the wrapper's call waited for itself"
+    assert results == [reference, reference]
+
+
+def test_an_instrumented_submodule_counts_on_its_own_meter_and_once_in_the_outer():
+    model = Small()
+    inner = fxflops.instrument(model.fc)
+    model.fc = inner
+    outer = fxflops.instrument(model)
+    for rows in (4, 6, 4):
+        x = torch.randn(rows, 8)
+        inner.flops.reset()
+        expected_outer = flop_counter_call(Small().requires_grad_(False), (x,), {}, backward=False)
+        with torch.no_grad():
+            assert _counted(outer, x) == expected_outer
+        assert inner.flops.total() == 2 * rows * 8 * 8  # one linear, counted once on its meter
+    assert outer.captures == 1 and inner.captures == 1
+
+
+@pytest.mark.parametrize("measure", [True, False])
+def test_the_models_own_error_on_a_first_call_leaves_later_calls_counted(measure):
+    wrapper = fxflops.instrument(Small(), measure=measure)
+    with pytest.raises(ValueError, match="batch too large: 20"):
+        wrapper(torch.randn(20, 8))
+    for rows in (4, 5, 2):
+        x = torch.randn(rows, 8)
+        with torch.no_grad():
+            assert _counted(wrapper, x) == flop_counter_call(Small(), (x,), {}, backward=False)
+    assert wrapper.flops.uncounted == 0 and not wrapper.measured
+
+
+@pytest.mark.parametrize("first_call_valid", [True, False])
+def test_strict_lets_the_models_own_error_through_unchanged(first_call_valid):
+    wrapper = fxflops.instrument(Small(), strict=True)
+    if first_call_valid:
+        wrapper(torch.randn(4, 8))
+    with pytest.raises(ValueError, match="batch too large: 20"):
+        wrapper(torch.randn(20, 8))
+
+
+@dataclasses.dataclass
+class Output:
+    logits: torch.Tensor
+    steps: int = 1
+
+
+class ReturnsDataclass(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return Output(self.fc(x))
+
+
+def test_a_dataclass_output_has_its_backward_counted():
+    model = ReturnsDataclass()
+    wrapper = fxflops.instrument(model, backward=True)
+    for rows in (4, 6):
+        x = torch.randn(rows, 8)
+        wrapper.flops.reset()
+        wrapper(x).logits.sum().backward()
+        with torch.utils.flop_counter.FlopCounterMode(display=False) as counter:
+            model(x).logits.sum().backward()
+        assert wrapper.flops.total() == counter.get_total_flops() and wrapper.flops.uncounted == 0
+
+
+class ReturnsGenerator(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = self.fc(x)
+        return (row for row in y)
+
+
+def test_an_output_generator_is_refused_in_training_never_counted_as_a_forward():
+    wrapper = fxflops.instrument(ReturnsGenerator(), backward=True)
+    with pytest.warns(UserWarning, match="iterator"):
+        rows = list(wrapper(torch.randn(4, 8)))
+    torch.stack(rows).sum().backward()
+    assert wrapper.flops.total() == 0 and wrapper.flops.uncounted == 1
+    with torch.no_grad():  # no backward can follow: the forward is counted
+        assert _counted(wrapper, torch.randn(4, 8)) == 2 * 4 * 8 * 8
+
+
+def test_a_report_with_peak_zero_has_no_mfu():
+    wrapper = fxflops.instrument(Small())
+    wrapper(torch.randn(4, 8))
+    report = wrapper.flops.report(elapsed_s=1.0, peak_flops=0)
+    assert report.mfu is None and report.hfu is None
+    assert "no MFU" in str(report)
