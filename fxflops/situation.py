@@ -32,6 +32,7 @@ import functools
 import itertools
 import weakref
 from collections.abc import Callable
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -194,7 +195,15 @@ class StateGuard:
     (tensors, and containers of them, that the trace used as constants: :func:`value_key` with
     shapes) or ``"key"`` (tensors it only read, e.g. compared with None: by type, dtype, device,
     rank; a cache the model's own forward rewrites, such as Qwen2-VL's ``rope_deltas``, keeps its
-    program across batch sizes)."""
+    program across batch sizes).
+
+    ``where`` says whose attribute it is: ``"instance"`` (the object's ``__dict__``), ``"class"`` (read
+    on the object, found on its class: ``Block.use_gate = False`` read as ``self.use_gate``, a method
+    such as ``forward`` that a library may patch on the class; holds while the object's class and the
+    classes before it in the MRO resolve the name to the same value) or ``"absent"`` (not in the
+    object's ``__dict__``: read there and found on the class, or not at all, as in
+    ``getattr(self, "extra", 0)`` or ``hasattr(self, "tail")``; holds while the object still has no such
+    instance attribute)."""
 
     label: str
     path: str
@@ -202,6 +211,7 @@ class StateGuard:
     key: str
     expected: Any
     test: str
+    where: str = "instance"
 
     def holds(self, value: Any) -> bool:
         if self.test == "is":
@@ -210,10 +220,22 @@ class StateGuard:
             return value == self.expected
         return value_key(value, self.test == "shapes") == self.expected
 
-    def owner(self, model: torch.nn.Module) -> dict:
-        """The ``__dict__`` holding the attribute (KeyError/AttributeError when gone)."""
-        state = vars(model.get_submodule(self.path))
-        return vars(state[self.held]) if self.held is not None else state
+    def owner(self, model: torch.nn.Module) -> Any:
+        """The object holding the attribute (KeyError/AttributeError when gone)."""
+        module = model.get_submodule(self.path)
+        return vars(module)[self.held] if self.held is not None else module
+
+    def namespaces(self, model: torch.nn.Module) -> tuple[Any, tuple[Any, ...]]:
+        """(the namespace the guard reads ``key`` from, the namespaces that must not define it):
+        the owner's ``__dict__``; for a class attribute, the ``__dict__`` of the class that resolves it
+        now and those of the classes before it in the MRO (a subclass that defines it meanwhile
+        shadows it; the owner's own ``__dict__`` is an ``"absent"`` guard of its own)."""
+        owner = self.owner(model)
+        if self.where != "class":
+            return vars(owner), ()
+        mro = type(owner).__mro__
+        at = next((i for i, cls in enumerate(mro) if self.key in vars(cls)), 0)
+        return vars(mro[at]), tuple(vars(cls) for cls in mro[:at])
 
 
 class ModelState:
@@ -239,13 +261,27 @@ class ModelState:
         STRUCTURE.track(self.model)
         scope: dict[str, Any] = {"_any": torch._C._any_requires_grad, "_key": value_key}
         tests = []
+        absent: dict[int, tuple[Any, set[str]]] = {}  # id(object) -> (object, names its __dict__ must not hold)
         for i, guard in enumerate(self.guards):
-            scope[f"_d{i}"], scope[f"_v{i}"] = guard.owner(self.model), guard.expected
+            namespace, shadows = guard.namespaces(self.model)
+            if guard.where == "absent":
+                owner = guard.owner(self.model)
+                absent.setdefault(id(owner), (owner, set()))[1].add(guard.key)
+                continue
+            if guard.expected is _AsLoaded:
+                guard = self.guards[i] = dataclasses.replace(guard, expected=namespace.get(guard.key))
+            scope[f"_d{i}"], scope[f"_v{i}"] = namespace, guard.expected
             got = f"_d{i}[{guard.key!r}]"
+            for j, shadow in enumerate(shadows):  # a subclass must not define it meanwhile
+                scope[f"_s{i}_{j}"] = shadow
+                tests.append(f"{guard.key!r} not in _s{i}_{j}")
             if guard.test in ("key", "shapes"):
                 tests.append(f"_key({got}, {guard.test == 'shapes'}) == _v{i}")
             else:
                 tests.append(f"{got} {guard.test} _v{i}")
+        for k, (owner, names) in enumerate(absent.values()):  # one test per object: its class, its names at once
+            scope[f"_o{k}"], scope[f"_t{k}"], scope[f"_a{k}"], scope[f"_n{k}"] = owner, type(owner), vars(owner).keys(), frozenset(names)
+            tests.append(f"type(_o{k}) is _t{k} and _a{k}.isdisjoint(_n{k})")
         parameters = dict(self.model.named_parameters())
         frozen = tuple(parameters[n] for n, wanted in self.requires_grad.items() if not wanted)
         if frozen:
@@ -302,9 +338,13 @@ class ModelState:
         if self._snapshot() != self._structure:
             return f"the structure of {type(self.model).__name__} changed (a module, parameter, buffer or hook)"
         for guard in self.guards:
-            state = guard.owner(self.model)
-            if guard.key not in state:
-                return f"{guard.label} was deleted"
+            state, shadows = guard.namespaces(self.model)
+            if guard.where == "absent":
+                if guard.key in state:
+                    return f"{guard.label} is {_short(state[guard.key])}, the program was traced without it"
+                continue
+            if guard.key not in state or any(guard.key in shadow for shadow in shadows):
+                return f"{guard.label} was deleted or redefined on a subclass"
             now = state[guard.key]
             if not guard.holds(now):
                 return f"{guard.label} is {_short(now)}, the program was traced with {_short(guard.expected)}"
@@ -314,11 +354,17 @@ class ModelState:
         return ""
 
     def __getstate__(self) -> dict:
-        return {"model": self.model, "guards": self.guards, "requires_grad": self.requires_grad}
+        # a class attribute's value (a method, a property) is the class's own: taken again on load
+        guards = [dataclasses.replace(g, expected=_AsLoaded) if g.where == "class" and g.test == "is" else g for g in self.guards]
+        return {"model": self.model, "guards": guards, "requires_grad": self.requires_grad}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         self._bind()  # the copy's own objects: identities do not survive a copy
+
+
+class _AsLoaded:
+    """A saved class-attribute guard's value: the class's value when the program is loaded."""
 
 
 def _guards_from(model: torch.nn.Module, reads: Reads, copies: dict[str, str], constants: set[int]) -> list[StateGuard]:
@@ -334,21 +380,61 @@ def _guards_from(model: torch.nn.Module, reads: Reads, copies: dict[str, str], c
         ]
     guards: dict[tuple[int, str], StateGuard] = {}
     for path, names in sources:
-        state = vars(modules[path])
+        module = modules[path]
+        state = vars(module)
         for name in sorted(names):
-            if name in _MODULE_INTERNALS or name not in state or getattr(state[name], "fxflops_own", False):
-                continue  # structure and hooks (the structure check), not an instance attribute, or fxflops' own
-            value = state[name]
+            if name in _MODULE_INTERNALS or _registered(module, name):
+                continue  # structure and hooks (the structure check)
             label = f"{path or '<root>'}.{name}"
+            if name not in state:
+                for guard in _not_on_instance(module, label, path, None, name):
+                    guards.setdefault(_guard_key(guard, module), guard)
+                continue
+            value = state[name]
+            if getattr(value, "fxflops_own", False):
+                continue  # fxflops' own (a routing probe)
             guards.setdefault((id(state), name), _guard(label, path, None, name, value, constants))
             inner = getattr(value, "__dict__", None)
             if inner is None or _plain(value):
                 continue
             for attribute in sorted(reads.of_held(value)):
+                held_label = f"{label}.{attribute}"
                 if attribute in inner:
-                    guard = _guard(f"{label}.{attribute}", path, name, attribute, inner[attribute], constants)
+                    guard = _guard(held_label, path, name, attribute, inner[attribute], constants)
                     guards.setdefault((id(inner), attribute), guard)
+                else:
+                    for guard in _not_on_instance(value, held_label, path, name, attribute):
+                        guards.setdefault(_guard_key(guard, value), guard)
     return list(guards.values())
+
+
+def _guard_key(guard: StateGuard, obj: Any) -> tuple:
+    """Guards on one attribute of one object are made once (a class's attribute once per class)."""
+    return (guard.where, id(type(obj)) if guard.where == "class" else id(vars(obj)), guard.key)
+
+
+def _registered(module: torch.nn.Module, name: str) -> bool:
+    """A name of the module's parameters, buffers or submodules (the structure check's)."""
+    return name in module._parameters or name in module._buffers or name in module._modules
+
+
+_TORCH_BASES = frozenset({object, torch.nn.Module})  # their attributes are torch's machinery, not model state
+_ROUTED = frozenset({"forward"})  # set on instances by fxflops' own routes too: the structure check's (``fxflops_own``)
+
+
+def _not_on_instance(obj: Any, label: str, path: str, held: str | None, name: str) -> list[StateGuard]:
+    """The guards on an attribute read on ``obj`` that its ``__dict__`` lacks: that it stays absent
+    there, and the value of the class that has it (not for ``nn.Module``'s and ``object``'s own
+    machinery, nor what the structure check covers: ``forward`` set on the instance)."""
+    owner = next((cls for cls in type(obj).__mro__ if name in vars(cls)), None)
+    if owner in _TORCH_BASES:
+        return []
+    guards = [] if name in _ROUTED else [StateGuard(f"{label} (on the instance)", path, held, name, None, "is", "absent")]
+    if owner is not None:
+        value = vars(owner)[name]
+        test = "==" if _plain(value) and not isinstance(value, (bool, type(None))) else "is"
+        guards.append(StateGuard(f"{owner.__qualname__}.{name} (class attribute)", path, held, name, _copied(value), test, "class"))
+    return guards
 
 
 def _guard(label: str, path: str, held: str | None, key: str, value: Any, constants: set[int]) -> StateGuard:

@@ -130,10 +130,11 @@ def _trace_once(
     non_leaf = frozenset(id(fakes[path]) for path, t in tensors.items() if t.requires_grad and not t.is_leaf)
     twin = twin_of(model)  # the trace runs on, and writes to, its own copy of the module tree
     tree, ignored = twin.model, adapter.same_layer_attributes
-    with recording_reads(tree, reads, twin.originals), engines_left_alone(tree), adapter.capturing(tree, sizes), \
-            install_stand_ins(tree, per_segment, backward, ignored, shapes) as lifted:
+    with engines_left_alone(tree), adapter.capturing(tree, sizes), install_stand_ins(tree, per_segment, backward, ignored, shapes) as lifted:
         skip = set(lifted_paths(tree, per_segment))
-        with reusing_repeated_layers(tree, skip, backward, reusing, ignored) as reuse:
+        # reads recorded around the trace only: fxflops' own walks over the modules (an adapter
+        # looking for feature getters) are not the model's code and guard nothing
+        with reusing_repeated_layers(tree, skip, backward, reusing, ignored) as reuse, recording_reads(tree, reads, twin.originals):
             gm = trace_graph(tree, mode, args, kwargs, backward, held, non_leaf, shapes, roots, sizes)
     return _Trace(gm, env, env_syms, fakes, symints, lifted, reuse)
 
