@@ -19,7 +19,9 @@ apply (the key is then built and looked up as usual).
 from __future__ import annotations
 
 import enum
+import functools
 import inspect
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -65,8 +67,8 @@ def _key(value: Any, shapes: bool, held: list[int] | None) -> Any:
     if isinstance(value, dict):
         return (kind, tuple([(k, _key(v, shapes, held)) for k, v in value.items()]))
     state = held_state(value)
-    if state is None:  # functions, modules, objects without attributes
-        return (kind, id(value))
+    if state is None:  # functions, modules, arrays, objects without attributes
+        return _opaque_key(value, shapes)
     if held is None or shapes:  # attributes in their order: another order is another key, never a wrong one
         return (kind, "object", tuple([(name, _key(v, True, None)) for name, v in state.items()]))
     held[0] -= len(state)
@@ -87,6 +89,71 @@ def _key(value: Any, shapes: bool, held: list[int] | None) -> Any:
             items.append((name, _key(v, deep, held)))
     held[1] -= 1
     return (kind, "object", tuple(items))
+
+
+_ARRAY_BYTES = 1 << 16  # a numpy array argument keyed by its contents up to this size
+
+
+def _opaque_key(value: Any, shapes: bool) -> Any:
+    """The key of a value that is neither a tensor, a scalar, a container nor an object with a
+    ``__dict__``: what a trace can have read from it, never its address alone (CPython reuses the
+    address of a freed object: a fresh ``partial(interpolate, scale_factor=4)`` or ``np.array([3])``
+    made for each call may sit where last call's did).
+
+    - ``functools.partial``: its function, arguments and keywords;
+    - a function: its code, its closure's values and its defaults (a fresh lambda per call over
+      another value is another key; the same code over the same values the same key);
+    - a bound method: its function and the key of the object it is bound to;
+    - a numpy array: dtype, shape and contents (refused above :data:`_ARRAY_BYTES`);
+    - an object with ``__slots__``: its class and its slots' values; a callable object: its attributes;
+    - anything else (a module, a builtin, an extension object): its identity."""
+    kind = type(value)
+    if isinstance(value, functools.partial):
+        return (kind, _key(value.func, shapes, None), _key(value.args, True, None), _key(value.keywords, True, None))
+    if isinstance(value, types.FunctionType):
+        cells = tuple(_cell_key(c, shapes) for c in value.__closure__ or ())
+        return (kind, id(value.__code__), cells, _key(value.__defaults__, True, None), _key(value.__kwdefaults__, True, None))
+    if isinstance(value, types.MethodType):
+        return (kind, _key(value.__func__, shapes, None), _key(value.__self__, shapes, None))
+    if _is_array(value):
+        if value.nbytes > _ARRAY_BYTES:
+            raise InputError(f"a numpy array argument of {value.nbytes} bytes: fxflops cannot tell its calls apart cheaply")
+        return (kind, str(value.dtype), value.shape, value.tobytes())
+    slots = _slot_values(value)
+    if slots is not None:
+        return (kind, "slots", tuple((name, _key(v, True, None)) for name, v in slots))
+    state = getattr(value, "__dict__", None)
+    if callable(value) and isinstance(state, dict) and not isinstance(value, (torch.nn.Module, type)):
+        return (kind, "object", tuple((name, _key(v, True, None)) for name, v in state.items()))  # a callable object
+    return (kind, id(value))
+
+
+def _cell_key(cell: Any, shapes: bool) -> Any:
+    try:
+        contents = cell.cell_contents
+    except ValueError:  # an empty cell
+        return ()
+    if isinstance(contents, types.FunctionType) and contents.__closure__ and cell in contents.__closure__:
+        return (types.FunctionType, id(contents.__code__))  # a recursive closure refers to itself
+    return (_key(contents, shapes, None),)
+
+
+def _is_array(value: Any) -> bool:
+    module = type(value).__module__
+    return module == "numpy" and hasattr(value, "tobytes") and hasattr(value, "dtype")
+
+
+def _slot_values(value: Any) -> list[tuple[str, Any]] | None:
+    """(name, value) of an object's ``__slots__`` (its class and bases), or None without slots."""
+    names = [n for cls in type(value).__mro__ for n in _slot_names(cls) if n not in ("__dict__", "__weakref__")]
+    if not names:
+        return None
+    return [(n, getattr(value, n, None)) for n in names]
+
+
+def _slot_names(cls: type) -> tuple[str, ...]:
+    slots = vars(cls).get("__slots__", ())
+    return (slots,) if isinstance(slots, str) else tuple(slots)
 
 
 class CallKeys:
@@ -133,7 +200,7 @@ class CallKeys:
                 i = positional
             elif param.kind is inspect.Parameter.VAR_KEYWORD:
                 named = set(self._signature.parameters)
-                plan += [(k, k, None) for k in sorted(k for k in kwargs if k not in named)]
+                plan += [(k, k, None) for k in kwargs if k not in named]  # in the call's order: the code may iterate them
             elif name not in bound.arguments:
                 default = param.default
                 plan.append((name, None, value_key(None if default is inspect.Parameter.empty else default)))
@@ -205,8 +272,10 @@ class _Tests:
             self._fail_if(f"{other_type} or tuple({x}) != {self._constant(tuple(value))}")
             for k, v in value.items():
                 self.add(v, f"{x}[{self._constant(k)}]", shapes, held)
-        elif (state := held_state(value)) is None:
-            self._fail_if(f"{other_type} or id({x}) != {id(value)}")
+        elif (state := held_state(value)) is None:  # tested through its key (_opaque_key)
+            key = _opaque_key(value, shapes)
+            self.scope["_opaque"] = _opaque_key
+            self._fail_if(f"{other_type} or _opaque({x}, {shapes}) != {self._constant(key)}")
         else:
             self._fail_if(other_type)
             attributes = self._local(f"{x}.__dict__")

@@ -28,11 +28,12 @@ registered on a module). A call in another situation gets its own program, or a 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
+import operator
 import weakref
 from collections.abc import Callable
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +42,8 @@ import torch
 from fxflops.analysis.paths import inside, moved
 from fxflops.call_keys import SCALARS, value_key
 from fxflops.capture.reads import Reads
+from fxflops.errors import InputError
+from fxflops.situation_code import CodeRead, code_reads, copied, plain
 
 
 def _autocast_key() -> tuple:
@@ -61,10 +64,12 @@ def _autocast_enabled(device: str) -> bool:
 _grad, _inference, _any_autocast = torch.is_grad_enabled, torch.is_inference_mode_enabled, torch._C._is_any_autocast_enabled
 _sdpa = (torch._C._get_flash_sdp_enabled, torch._C._get_mem_efficient_sdp_enabled, torch._C._get_math_sdp_enabled, torch._C._get_cudnn_sdp_enabled)
 _fastpath, _default_dtype = torch.backends.mha.get_fastpath_enabled, torch.get_default_dtype
+_deterministic = torch._C._get_deterministic_algorithms
 
 
 def mode_key() -> tuple:
-    """Grad, inference and autocast modes, SDPA backends, MHA fast path and default dtype."""
+    """Grad, inference and autocast modes, SDPA backends, MHA fast path, default dtype and
+    deterministic algorithms (model code may pick another implementation under them)."""
     flash, efficient, math_, cudnn = _sdpa
     return (
         _grad(),
@@ -76,11 +81,12 @@ def mode_key() -> tuple:
         cudnn(),
         _fastpath(),
         _default_dtype(),
+        _deterministic(),
     )
 
 
 _MODE_NAMES = ("grad mode", "inference mode", "autocast", "flash SDPA", "memory-efficient SDPA", "math SDPA",
-               "cuDNN SDPA", "MHA fast path", "default dtype")
+               "cuDNN SDPA", "MHA fast path", "default dtype", "deterministic algorithms")
 
 
 def describe_difference(traced: tuple, now: tuple) -> str:
@@ -166,31 +172,12 @@ def _dead() -> None:
 STRUCTURE = Structure()
 
 _MODULE_INTERNALS = frozenset(vars(torch.nn.Module())) - {"training"}
-_PLAIN_CONTAINERS = (tuple, list, dict, set, frozenset)
-
-
-def _plain(value: Any, size: int = 64) -> bool:
-    """Numbers, strings, flags, dtypes, enums, and small containers of them: compared by value."""
-    if isinstance(value, SCALARS):
-        return True
-    if isinstance(value, _PLAIN_CONTAINERS) and len(value) <= size:
-        items = value.items() if isinstance(value, dict) else ((v, v) for v in value)
-        return all(_plain(k, 0) and _plain(v, size // 4) for k, v in items)
-    return False
-
-
-def _copied(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {k: _copied(v) for k, v in value.items()}
-    if isinstance(value, (list, set)):
-        return type(value)(_copied(v) for v in value)
-    return value
-
-
 @dataclass(frozen=True)
 class StateGuard:
     """One attribute of the traced state: ``key`` of the module at ``path`` (or of the object that
-    module holds as attribute ``held``) compared with ``expected`` by ``test``: ``"is"`` (flags, None,
+    module holds along the dotted attribute path ``held``) compared with ``expected`` by ``test``:
+    ``"value"`` (a tensor whose value the trace read, ``int(self.reps)``: the same tensor, its version
+    counter unchanged, no sync), ``"is"`` (flags, None,
     objects such as a config), ``"=="`` (numbers, strings, small containers of them), ``"shapes"``
     (tensors, and containers of them, that the trace used as constants: :func:`value_key` with
     shapes) or ``"key"`` (tensors it only read, e.g. compared with None: by type, dtype, device,
@@ -214,6 +201,8 @@ class StateGuard:
     where: str = "instance"
 
     def holds(self, value: Any) -> bool:
+        if self.test == "value":
+            return value is self.expected[0] and value._version == self.expected[1]
         if self.test == "is":
             return value is self.expected
         if self.test == "==":
@@ -222,8 +211,10 @@ class StateGuard:
 
     def owner(self, model: torch.nn.Module) -> Any:
         """The object holding the attribute (KeyError/AttributeError when gone)."""
-        module = model.get_submodule(self.path)
-        return vars(module)[self.held] if self.held is not None else module
+        owner = model.get_submodule(self.path)
+        for name in self.held.split(".") if self.held is not None else ():
+            owner = vars(owner)[name]
+        return owner
 
     def namespaces(self, model: torch.nn.Module) -> tuple[Any, tuple[Any, ...]]:
         """(the namespace the guard reads ``key`` from, the namespaces that must not define it):
@@ -253,6 +244,7 @@ class ModelState:
     ) -> None:
         self.model = model
         self.guards = _guards_from(model, reads, copies, constants)
+        self.called = {path: set(reads.of_module(m)) for path, m in model.named_modules() if reads.of_module(m)}
         self.requires_grad = {n: p.requires_grad for n, p in model.named_parameters()} if grad else {}
         self._bind()
 
@@ -269,19 +261,25 @@ class ModelState:
                 absent.setdefault(id(owner), (owner, set()))[1].add(guard.key)
                 continue
             if guard.expected is _AsLoaded:
-                guard = self.guards[i] = dataclasses.replace(guard, expected=namespace.get(guard.key))
+                now = namespace.get(guard.key)
+                guard = self.guards[i] = dataclasses.replace(guard, expected=(now, now._version) if guard.test == "value" else now)
             scope[f"_d{i}"], scope[f"_v{i}"] = namespace, guard.expected
             got = f"_d{i}[{guard.key!r}]"
             for j, shadow in enumerate(shadows):  # a subclass must not define it meanwhile
                 scope[f"_s{i}_{j}"] = shadow
                 tests.append(f"{guard.key!r} not in _s{i}_{j}")
-            if guard.test in ("key", "shapes"):
+            if guard.test == "value":  # the same tensor, not written in place since (its version counter)
+                scope[f"_v{i}"], scope[f"_w{i}"] = guard.expected
+                tests.append(f"{got} is _v{i} and _v{i}._version == _w{i}")
+            elif guard.test in ("key", "shapes"):
                 tests.append(f"_key({got}, {guard.test == 'shapes'}) == _v{i}")
             else:
                 tests.append(f"{got} {guard.test} _v{i}")
         for k, (owner, names) in enumerate(absent.values()):  # one test per object: its class, its names at once
             scope[f"_o{k}"], scope[f"_t{k}"], scope[f"_a{k}"], scope[f"_n{k}"] = owner, type(owner), vars(owner).keys(), frozenset(names)
             tests.append(f"type(_o{k}) is _t{k} and _a{k}.isdisjoint(_n{k})")
+        self.code = code_reads(self.model, self.called)  # globals and closures of the code the trace ran
+        tests += _code_tests(self.code, scope)
         parameters = dict(self.model.named_parameters())
         frozen = tuple(parameters[n] for n, wanted in self.requires_grad.items() if not wanted)
         if frozen:
@@ -330,7 +328,7 @@ class ModelState:
             return False
         try:
             return self._check()
-        except (KeyError, AttributeError):  # an attribute the trace read was deleted
+        except (KeyError, AttributeError, ValueError):  # an attribute or global the trace read was deleted, a cell emptied
             return False
 
     def mismatch(self) -> str:
@@ -348,6 +346,9 @@ class ModelState:
             now = state[guard.key]
             if not guard.holds(now):
                 return f"{guard.label} is {_short(now)}, the program was traced with {_short(guard.expected)}"
+        for read in self.code:
+            if not read.holds():
+                return f"{read.label} changed since the program was traced"
         for name, p in self.model.named_parameters():
             if name in self.requires_grad and p.requires_grad != self.requires_grad[name]:
                 return f"parameter {name!r} has requires_grad={p.requires_grad}, the program was traced with {self.requires_grad[name]}"
@@ -355,16 +356,44 @@ class ModelState:
 
     def __getstate__(self) -> dict:
         # a class attribute's value (a method, a property) is the class's own: taken again on load
-        guards = [dataclasses.replace(g, expected=_AsLoaded) if g.where == "class" and g.test == "is" else g for g in self.guards]
-        return {"model": self.model, "guards": guards, "requires_grad": self.requires_grad}
+        guards = [
+            dataclasses.replace(g, expected=_AsLoaded) if g.test == "value" or g.where == "class" and g.test == "is" else g
+            for g in self.guards
+        ]
+        return {"model": self.model, "guards": guards, "called": self.called, "requires_grad": self.requires_grad}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         self._bind()  # the copy's own objects: identities do not survive a copy
 
 
+def _code_tests(reads: list[CodeRead], scope: dict[str, Any]) -> list[str]:
+    """Tests that the values the model's code reads are as traced: the globals of one module at once
+    (``itemgetter``: one C call), the closure cells as one tuple, each compared with ``==`` (identity
+    first: a function is equal only to itself)."""
+    by_namespace: dict[int, tuple[Any, list[CodeRead]]] = {}
+    cells = []
+    for read in reads:
+        if read.key is None:
+            cells.append(read)
+        else:
+            by_namespace.setdefault(id(read.namespace), (read.namespace, []))[1].append(read)
+    tests = []
+    for k, (namespace, group) in enumerate(by_namespace.values()):
+        scope[f"_g{k}"], scope[f"_f{k}"] = namespace, operator.itemgetter(*(r.key for r in group))
+        scope[f"_e{k}"] = tuple(r.expected for r in group) if len(group) > 1 else group[0].expected
+        tests.append(f"_f{k}(_g{k}) == _e{k}")
+    if cells:
+        for k, read in enumerate(cells):
+            scope[f"_c{k}"] = read.namespace
+        scope["_cells"] = tuple(read.expected for read in cells)
+        tests.append(f"({''.join(f'_c{k}.cell_contents, ' for k in range(len(cells)))}) == _cells")
+    return tests
+
+
 class _AsLoaded:
-    """A saved class-attribute guard's value: the class's value when the program is loaded."""
+    """A saved guard's value taken again when the program is loaded: a class attribute's (a method,
+    a property: the class's own), a tensor's whose value the trace read (a copy's own tensor)."""
 
 
 def _guards_from(model: torch.nn.Module, reads: Reads, copies: dict[str, str], constants: set[int]) -> list[StateGuard]:
@@ -378,34 +407,47 @@ def _guards_from(model: torch.nn.Module, reads: Reads, copies: dict[str, str], c
             for path, names in list(sources)
             if inside(path, template) and moved(path, template, copy) in modules
         ]
-    guards: dict[tuple[int, str], StateGuard] = {}
+    guards: dict[tuple, StateGuard] = {}
     for path, names in sources:
         module = modules[path]
-        state = vars(module)
         for name in sorted(names):
             if name in _MODULE_INTERNALS or _registered(module, name):
                 continue  # structure and hooks (the structure check)
-            label = f"{path or '<root>'}.{name}"
-            if name not in state:
-                for guard in _not_on_instance(module, label, path, None, name):
-                    guards.setdefault(_guard_key(guard, module), guard)
-                continue
-            value = state[name]
-            if getattr(value, "fxflops_own", False):
-                continue  # fxflops' own (a routing probe)
-            guards.setdefault((id(state), name), _guard(label, path, None, name, value, constants))
-            inner = getattr(value, "__dict__", None)
-            if inner is None or _plain(value):
-                continue
-            for attribute in sorted(reads.of_held(value)):
-                held_label = f"{label}.{attribute}"
-                if attribute in inner:
-                    guard = _guard(held_label, path, name, attribute, inner[attribute], constants)
-                    guards.setdefault((id(inner), attribute), guard)
-                else:
-                    for guard in _not_on_instance(value, held_label, path, name, attribute):
-                        guards.setdefault(_guard_key(guard, value), guard)
+            _attribute_guards(guards, module, name, f"{path or '<root>'}.{name}", path, None, reads, constants, HELD_DEPTH)
     return list(guards.values())
+
+
+HELD_DEPTH = 3  # objects inside objects (a config's sub-config) whose attributes the trace read are guarded
+
+
+def _attribute_guards(
+    guards: dict[tuple, StateGuard], obj: Any, name: str, label: str, path: str, held: str | None, reads: Reads,
+    constants: set[int], depth: int,
+) -> None:
+    """Add the guards on attribute ``name`` of ``obj`` (the module at ``path``, or the object held
+    there along the dotted attribute path ``held``), and on the attributes the trace read of the
+    object it holds, ``depth`` objects deep. An attribute a module lacked and the traced code then
+    set on it is the model's lazily initialised state (transformers' ``_output_capturing_hooks_installed``,
+    set by the first forward): its absence is not guarded, or the first real call would make the
+    second another situation."""
+    state = vars(obj)
+    if name not in state:
+        lazy = held is None and name in reads.written_on(obj)  # set by the model's own code on first use
+        for guard in _not_on_instance(obj, label, path, held, name):
+            if not (lazy and guard.where == "absent"):
+                guards.setdefault(_guard_key(guard, obj), guard)
+        return
+    value = state[name]
+    if getattr(value, "fxflops_own", False):
+        return  # fxflops' own (a routing probe)
+    guard = _guard(label, path, held, name, value, constants, reads.values)
+    guards.setdefault(("instance", id(state), name), guard)
+    inner = getattr(value, "__dict__", None)
+    if inner is None or plain(value) or guard.test != "is" or depth <= 0:
+        return  # compared whole (by value or contents), or not an object the trace looked into
+    inside = name if held is None else f"{held}.{name}"
+    for attribute in sorted(reads.of_held(value)):
+        _attribute_guards(guards, value, attribute, f"{label}.{attribute}", path, inside, reads, constants, depth - 1)
 
 
 def _guard_key(guard: StateGuard, obj: Any) -> tuple:
@@ -432,20 +474,44 @@ def _not_on_instance(obj: Any, label: str, path: str, held: str | None, name: st
     guards = [] if name in _ROUTED else [StateGuard(f"{label} (on the instance)", path, held, name, None, "is", "absent")]
     if owner is not None:
         value = vars(owner)[name]
-        test = "==" if _plain(value) and not isinstance(value, (bool, type(None))) else "is"
-        guards.append(StateGuard(f"{owner.__qualname__}.{name} (class attribute)", path, held, name, _copied(value), test, "class"))
+        test = "==" if plain(value) and not isinstance(value, (bool, type(None))) else "is"
+        guards.append(StateGuard(f"{owner.__qualname__}.{name} (class attribute)", path, held, name, copied(value), test, "class"))
     return guards
 
 
-def _guard(label: str, path: str, held: str | None, key: str, value: Any, constants: set[int]) -> StateGuard:
+def _guard(label: str, path: str, held: str | None, key: str, value: Any, constants: set[int], values: set[int]) -> StateGuard:
+    if isinstance(value, torch.Tensor) and id(value) in values:  # its value is in the program: this tensor, unmodified
+        return StateGuard(label, path, held, key, (value, value._version), "value")
     if isinstance(value, (bool, type(None))):
         return StateGuard(label, path, held, key, value, "is")
-    if _plain(value):
-        return StateGuard(label, path, held, key, _copied(value), "==")
+    if plain(value):
+        return StateGuard(label, path, held, key, copied(value), "==")
     if isinstance(value, (torch.Tensor, list, tuple, dict)):
         used = any(isinstance(t, torch.Tensor) and id(t) in constants for t in _leaves(value))
         return StateGuard(label, path, held, key, value_key(value, used), "shapes" if used else "key")
+    if _by_contents(value):
+        try:
+            return StateGuard(label, path, held, key, value_key(value, True), "shapes")
+        except InputError:  # too large to compare per call (a big array): by identity
+            pass
     return StateGuard(label, path, held, key, value, "is")
+
+
+def _by_contents(value: Any) -> bool:
+    """Values whose contents can change under the same identity and whose reads cannot be recorded
+    one by one: a ``functools.partial`` (its ``keywords`` dict), a numpy array, an object with
+    ``__slots__`` or of a class defined in C (``types.SimpleNamespace``: its attribute reads go
+    unrecorded): guarded by their whole contents (``call_keys.value_key``)."""
+    if isinstance(value, (torch.nn.Module, type)) or (callable(value) and not isinstance(value, functools.partial)):
+        return False
+    kind = type(value)
+    static_type = not kind.__flags__ & _HEAP_TYPE
+    return isinstance(value, functools.partial) or kind.__module__ == "numpy" or (
+        getattr(value, "__dict__", None) is None and hasattr(value, "__slots__")
+    ) or (static_type and hasattr(value, "__dict__"))
+
+
+_HEAP_TYPE = 1 << 9  # Py_TPFLAGS_HEAPTYPE: a class defined in Python (its reads can be recorded)
 
 
 def _leaves(value: Any) -> list:

@@ -136,3 +136,157 @@ def test_hf_layer_checkpointing_class_default_and_loss_function():
 
     model.loss_function = loss_with_projection
     check("loss_function replaced")
+
+
+REPEATS = 1  # a module-level setting the model's code reads
+
+
+def _scaled(h, extra):  # a helper the forward calls: a library may patch it in
+    return h
+
+
+class Globals(nn.Module):
+    def __init__(self, factor: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.calls = 0
+
+        def times(h):  # a closure over the constructor's argument
+            for _ in range(factor):
+                h = self.fc(h)
+            return h
+
+        self.times = times
+
+    def forward(self, x):
+        global _CALLS
+        _CALLS += 1  # the code's own bookkeeping: not a situation
+        for _ in range(REPEATS):
+            x = self.fc(x)
+        return _scaled(self.times(x), self.fc)
+
+
+_CALLS = 0
+
+
+def test_globals_and_helpers_the_code_reads_guard_their_programs():
+    global REPEATS, _scaled
+    model = Globals(1)
+    wrapper = fxflops.instrument(model)
+    original = _scaled
+    try:
+        _check(wrapper, model, False, "traced")
+        REPEATS = 3
+        _check(wrapper, model, False, "a global setting changed")
+        _scaled = lambda h, fc: fc(h)  # noqa: E731 - a helper patched in, as fused kernels are
+        _check(wrapper, model, False, "a helper function patched")
+        REPEATS, _scaled = 1, original
+        _check(wrapper, model, False, "both back")
+        captures = wrapper.captures
+        _check(wrapper, model, False, "again: the bookkeeping global changed, no new program")
+        assert wrapper.captures == captures
+    finally:
+        REPEATS, _scaled = 1, original
+
+
+def test_a_replaced_closure_and_held_contents_guard_their_programs():
+    model = Globals(1)
+    wrapper = fxflops.instrument(model)
+    _check(wrapper, model, False, "traced")
+    model.times = _closure_over(model, 3)
+    _check(wrapper, model, False, "the closure replaced by one over another value")
+
+
+def _closure_over(model, factor):
+    def times(h):
+        for _ in range(factor):
+            h = model.fc(h)
+        return h
+
+    return times
+
+
+class Held(nn.Module):
+    """Settings held in objects whose reads cannot be recorded one by one, and a tensor read by value."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import types
+
+        self.fc = nn.Linear(8, 8)
+        self.namespace = types.SimpleNamespace(n=1)  # a class defined in C
+        self.scale = functools.partial(torch.mul, other=1.0)
+        self.reps = torch.tensor(1)  # a plain tensor attribute whose value is a loop count
+        self.deep = _Level(_Level(_Level(1)))  # config.sub.sub.n: three objects deep
+
+    def forward(self, x):
+        for _ in range(self.namespace.n + int(self.reps) + self.deep.inner.inner.inner - 2):
+            x = self.fc(self.scale(x))
+        return x
+
+
+class _Level:
+    def __init__(self, inner):
+        self.inner = inner
+
+
+@pytest.mark.parametrize("backward", [False, True])
+def test_held_objects_by_contents_and_tensors_read_by_value(backward):
+    model = Held()
+    wrapper = fxflops.instrument(model, backward=backward)
+    _check(wrapper, model, backward, "traced")
+    changes = [
+        ("a SimpleNamespace attribute", lambda: setattr(model.namespace, "n", 2)),
+        ("a partial's keywords in place", lambda: model.scale.keywords.update(other=2.0)),
+        ("a tensor's value in place", lambda: model.reps.fill_(2)),
+        ("a tensor replaced", lambda: setattr(model, "reps", torch.tensor(1))),
+        ("three objects deep", lambda: setattr(model.deep.inner.inner, "inner", 2)),
+    ]
+    for label, change in changes:
+        change()
+        _check(wrapper, model, backward, label)
+
+
+class Takes(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x, how=None, **named):
+        if how is not None:
+            x = how(x)
+        first = next(iter(named.values()), None)
+        if first is not None:
+            x = x.repeat(first.shape[0] // x.shape[0], 1)
+        return self.fc(x)
+
+
+def test_callable_and_array_arguments_are_keyed_by_contents_and_kwargs_by_order():
+    import numpy as np
+
+    model = Takes()
+    wrapper = fxflops.instrument(model)
+
+    def call(label, *args, **kwargs):
+        x = torch.randn(4, 8)
+        wrapper.flops.reset()
+        with torch.no_grad():
+            wrapper(x, *args, **kwargs)
+        assert wrapper.flops.total() == flop_counter_call(model, (x, *args), kwargs, False), label
+
+    for k in (1, 2, 3, 2):  # a fresh callable per call, possibly at a freed one's address
+        call(f"partial repeats={k}", functools.partial(torch.Tensor.repeat, repeats=(k, 1)))
+        call(f"lambda over k={k}", (lambda k: lambda h: h.repeat(k, 1))(k))
+        call(f"array [{k}]", _ArrayRepeat(np.array([k])))
+    call("kwargs a then b", a=torch.zeros(4, 8), b=torch.zeros(8, 8))
+    call("kwargs b then a", b=torch.zeros(8, 8), a=torch.zeros(4, 8))
+
+
+class _ArrayRepeat:
+    __slots__ = ("times",)  # an object without __dict__: keyed by its slots' values
+
+    def __init__(self, times):
+        self.times = times
+
+    def __call__(self, h):
+        return h.repeat(int(self.times[0]), 1)

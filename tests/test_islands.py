@@ -228,18 +228,18 @@ def test_two_threads_measure_their_calls_at_once():
     wrapper = fxflops.instrument(net, strict=True)
     xs = calls(3)
     barrier = threading.Barrier(2, timeout=30)
-    racing: set[int] = set()  # the threads that meet at the barrier (the capture's thread does not)
+    racing = threading.local()  # the threads that meet at the barrier (the capture's thread does not)
     original = Mid.forward
 
     def mid_forward(self, h):  # the class's forward while the program is captured and used: one code
-        if threading.get_ident() in racing:
+        if getattr(racing, "on", False):
             barrier.wait()
         return original(self, h)
 
     errors = []
 
     def run(x: torch.Tensor) -> None:
-        racing.add(threading.get_ident())
+        racing.on = True
         try:
             with torch.no_grad():
                 wrapper(x)

@@ -5,7 +5,8 @@ flags such as ``gradient_checkpointing``, numbers such as a norm's ``eps``, the 
 object (``config._attn_implementation``). torch.compile guards on the attributes its trace read;
 fxflops does the same. While capturing (and only in the capturing thread, ``capture/scope.py``),
 every attribute read on the model's modules, and on the plain Python objects they hold (configs,
-dataclasses; two levels deep), is recorded by name (on the twin the trace runs on, under the user's
+dataclasses; three levels deep), is recorded by name (and every attribute the traced code assigns on
+a module: lazily initialised state, such as a flag saying hooks are installed) (on the twin the trace runs on, under the user's
 object it copies). :func:`recording_reads` fills a
 :class:`Reads`; ``fxflops/situation.py`` turns them into guards on the *real* state after the capture.
 
@@ -23,6 +24,8 @@ from typing import Any
 
 import torch
 
+from torch._subclasses.fake_tensor import FakeTensor
+
 from fxflops.capture.scope import patched
 
 _NOT_HELD = (torch.nn.Module, torch.Tensor, type, types.FunctionType, types.MethodType, types.BuiltinFunctionType, types.ModuleType)
@@ -35,6 +38,8 @@ class Reads:
 
     modules: dict[int, set[str]] = field(default_factory=dict)
     held: dict[int, set[str]] = field(default_factory=dict)
+    values: set[int] = field(default_factory=set)  # ids of real tensors whose values the trace read (``int(self.reps)``)
+    written: dict[int, set[str]] = field(default_factory=dict)  # attributes the traced code assigned, by module ``__dict__``
 
     def of_module(self, module: torch.nn.Module) -> set[str]:
         return self.modules.get(id(vars(module)), set())
@@ -42,10 +47,14 @@ class Reads:
     def of_held(self, obj: Any) -> set[str]:
         return self.held.get(id(obj), set())
 
+    def written_on(self, module: torch.nn.Module) -> set[str]:
+        return self.written.get(id(vars(module)), set())
 
-def held_objects(model: torch.nn.Module, depth: int = 2) -> dict[int, Any]:
+
+def held_objects(model: torch.nn.Module, depth: int = 3) -> dict[int, Any]:
     """The plain Python objects (not modules, tensors, functions or builtins) held as attributes by
-    the model's modules, and by those objects, ``depth`` levels deep: configs, dataclasses."""
+    the model's modules, and by those objects, ``depth`` levels deep: configs, their sub-configs
+    (``config.text_config``) and what those hold, dataclasses."""
     found: dict[int, Any] = {}
     frontier: list[Any] = list(model.modules())
     for _ in range(depth):
@@ -92,12 +101,48 @@ def recording_reads(model: torch.nn.Module, reads: Reads, originals: dict[int, A
                     names.add(name)
             return original(self, name)
 
+        assigning = stack.enter_context(patched(torch.nn.Module, "__setattr__", lambda self, name, value: assign(self, name, value)))
+        written = {id(vars(m)): reads.written.setdefault(id(vars(own(m))), set()) for m in model.modules()}
+
+        def assign(self: Any, name: str, value: Any) -> None:
+            names = written.get(id(object.__getattribute__(self, "__dict__")))
+            if names is not None:
+                names.add(name)
+            assigning(self, name, value)
+
         for cls in classes:
             try:
                 stack.enter_context(_recording_class(cls, held_names))
             except TypeError:  # an extension type, whose attributes cannot be set: its reads go unrecorded
                 continue
+        for name in _VALUE_READS:
+            stack.enter_context(_recording_value_reads(name, reads.values, originals))
         yield
+
+
+_VALUE_READS = ("item", "tolist", "__int__", "__float__", "__bool__", "__index__", "__complex__")
+
+
+def _recording_value_reads(name: str, values: set[int], originals: dict[int, Any]) -> contextlib.AbstractContextManager:
+    """Record the real tensors whose values the trace reads with ``Tensor.<name>`` (a plain tensor
+    attribute used as a loop count: its value is baked into the program like a constant)."""
+    original: Any = None
+
+    def read(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if not isinstance(self, FakeTensor):
+            values.add(id(originals.get(id(self), self)))
+        return original(self, *args, **kwargs)
+
+    manager = patched(torch.Tensor, name, read)
+
+    @contextlib.contextmanager
+    def scope() -> Iterator[None]:
+        nonlocal original
+        with manager as found:
+            original = found
+            yield
+
+    return scope()
 
 
 def _recording_class(cls: type, held_names: dict[int, set[str]]) -> contextlib.AbstractContextManager:

@@ -1,0 +1,180 @@
+"""The part of a call's situation that lives in the model's Python code: globals and closures.
+
+A trace runs the model's Python once, and what that Python read from outside the model is baked
+into the program like a constant: a module-level flag (``REPEATS = 3``, ``USE_FUSED = True``), a
+helper function a library patches in (``modeling_llama.apply_rotary_pos_emb = fused``), a value a
+closure holds. torch.compile guards each such read (Dynamo sees every ``LOAD_GLOBAL``); fxflops runs
+the code instead of interpreting it, so it guards what the code *can* read (:func:`code_reads`): the
+names the model classes' functions load (their code objects' ``co_names``, nested code included)
+that their module's globals hold, and the cells of their closures, following the functions those
+name into their own globals (model code only: not torch's, not fxflops'). Plain values (numbers,
+strings, flags, small containers of them) are compared by value, functions by identity. Names the
+code itself assigns (``global calls; calls += 1``, ``nonlocal``) are its bookkeeping and are not
+guarded (else every call would be another situation, as a recompile per call is under Dynamo).
+(Attributes of the model's modules and of the objects they hold, class attributes among them, are
+``fxflops/situation.py``'s; the call's arguments ``fxflops/call_keys.py``'s.)
+"""
+
+from __future__ import annotations
+
+import dis
+import types
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from fxflops.call_keys import SCALARS
+
+MAX_FUNCTIONS = 512  # functions followed per model: the guards stay cheap, a huge code base is cut short
+_LIBRARIES = ("torch.", "fxflops.", "functools", "typing", "builtins", "collections", "abc", "contextlib")
+
+
+@dataclass(frozen=True)
+class CodeRead:
+    """A value the model's code can read: ``namespace[key]`` (a module's globals, a closure cell's
+    ``cell_contents`` as key ``None``) compared with ``expected`` by ``test`` (``"=="`` or ``"is"``)."""
+
+    label: str
+    namespace: Any
+    key: str | None
+    expected: Any
+    test: str
+
+    def now(self) -> Any:
+        return self.namespace.cell_contents if self.key is None else self.namespace[self.key]
+
+    def holds(self) -> bool:
+        try:
+            value = self.now()
+        except (KeyError, ValueError):  # deleted, or an emptied cell
+            return False
+        return value == self.expected if self.test == "==" else value is self.expected
+
+
+def code_reads(model: torch.nn.Module, called: dict[str, set[str]]) -> list[CodeRead]:
+    """The globals and closure values the code the capture ran can read (module docstring): the
+    methods the trace called on the model's modules (``called``: module path -> attribute names the
+    capture read there, such as ``forward``, ``get_image_features``, a loss function property) and
+    the functions their code names, transitively."""
+    found: dict[tuple[int, str | None], CodeRead] = {}
+    seen: set[int] = set()
+    todo = list(_called_methods(model, called))
+    while todo and len(seen) < MAX_FUNCTIONS:
+        fn = todo.pop()
+        if id(fn) in seen or _is_library(fn):
+            continue
+        seen.add(id(fn))
+        for read in _reads_of(fn):
+            found.setdefault((id(read.namespace), read.key), read)
+            if isinstance(read.expected, types.FunctionType):
+                todo.append(read.expected)
+    return list(found.values())
+
+
+def _called_methods(model: torch.nn.Module, called: dict[str, set[str]]) -> Iterator[types.FunctionType]:
+    """The functions behind the attributes the capture read on the model's modules that their
+    classes define (methods, properties, static and class methods; not torch's own classes')."""
+    for path, names in called.items():
+        try:
+            module = model.get_submodule(path)
+        except AttributeError:
+            continue
+        for name in names:
+            cls = next((c for c in type(module).__mro__ if name in vars(c)), None)
+            if cls is not None and not cls.__module__.startswith(_LIBRARIES):
+                yield from _functions_in(vars(cls)[name])
+
+
+def _functions_in(value: Any) -> Iterator[types.FunctionType]:
+    """The plain functions a class attribute runs: a method, a static or class method, a property's
+    getter, and the functions a decorator wraps (``__wrapped__``)."""
+    if isinstance(value, (staticmethod, classmethod)):
+        value = value.__func__
+    elif isinstance(value, property):
+        value = value.fget
+    while isinstance(value, types.FunctionType):
+        yield value
+        value = getattr(value, "__wrapped__", None)
+
+
+def _is_library(fn: types.FunctionType) -> bool:
+    module = getattr(fn, "__module__", None) or ""
+    return module.startswith(_LIBRARIES) or module == __name__
+
+
+def _codes(code: types.CodeType) -> Iterator[types.CodeType]:
+    """A code object and the code objects nested in it (comprehensions, lambdas)."""
+    yield code
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            yield from _codes(const)
+
+
+_WRITES = frozenset({"STORE_GLOBAL", "DELETE_GLOBAL", "STORE_DEREF", "DELETE_DEREF"})
+
+
+def _written(code: types.CodeType) -> set[str]:
+    """The globals and closure variables the code assigns (``global n; n += 1``, ``nonlocal``): the
+    code's own bookkeeping (a call counter), which would otherwise make every call another situation."""
+    return {i.argval for c in _codes(code) for i in dis.get_instructions(c) if i.opname in _WRITES}
+
+
+def _reads_of(fn: types.FunctionType) -> Iterator[CodeRead]:
+    """The globals ``fn``'s code names (those its module holds) and its closure's cells, as reads:
+    plain values and functions (other objects: modules, classes, a logger, are not followed)."""
+    namespace = fn.__globals__
+    where = getattr(fn, "__module__", None) or "?"
+    written = _written(fn.__code__)
+    for name in {n for code in _codes(fn.__code__) for n in code.co_names} - written:
+        if name in namespace:
+            read = _read(f"{where}.{name} (a global {fn.__qualname__} reads)", namespace, name, namespace[name])
+            if read is not None:
+                yield read
+    if hasattr(fn, "__wrapped__"):  # a decorator's wrapper: its cells hold the decorator's settings
+        return
+    for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ()):
+        if name in written:
+            continue
+        try:
+            value = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        read = _read(f"{fn.__qualname__}'s closure variable {name}", cell, None, value)
+        if read is not None:
+            yield read
+
+
+def _read(label: str, namespace: Any, key: str | None, value: Any) -> CodeRead | None:
+    if isinstance(value, type):  # a class the code builds or tests against: not state a count depends on
+        return None
+    if isinstance(value, (bool, type(None))):
+        return CodeRead(label, namespace, key, value, "is")
+    if plain(value):
+        return CodeRead(label, namespace, key, copied(value), "==")
+    if isinstance(value, types.FunctionType):
+        return CodeRead(label, namespace, key, value, "is")
+    return None
+
+
+_PLAIN_CONTAINERS = (tuple, list, dict, set, frozenset)
+
+
+def plain(value: Any, size: int = 64) -> bool:
+    """Numbers, strings, flags, dtypes, enums, and small containers of them: compared by value."""
+    if isinstance(value, SCALARS):
+        return True
+    if isinstance(value, _PLAIN_CONTAINERS) and len(value) <= size:
+        items = value.items() if isinstance(value, dict) else ((v, v) for v in value)
+        return all(plain(k, 0) and plain(v, size // 4) for k, v in items)
+    return False
+
+
+def copied(value: Any) -> Any:
+    """A plain value as it is now (containers copied: the user's may change in place)."""
+    if isinstance(value, dict):
+        return {k: copied(v) for k, v in value.items()}
+    if isinstance(value, (list, set)):
+        return type(value)(copied(v) for v in value)
+    return value
