@@ -124,3 +124,51 @@ def test_changes_between_calls_count_exactly(family):
             assert counted(wrapper, batch, True) == flop_counter_total(model, batch, True), (family, step)
         calls += 1
     assert calls == 12 and wrapper.captures > 1
+
+
+def test_the_wrapper_keeps_qwen2_vl_outputs_in_a_manual_decode_loop():
+    """The adapter derives M-RoPE positions for image calls as the model does, storing the
+    ``rope_deltas`` the model keeps: a manual prefill then decode step gives the plain model's
+    logits, and a decode step continuing from the stored deltas is left to the model."""
+    from transformers import DynamicCache
+
+    model = hf_zoo.build("qwen2_vl", "eager").eval()
+    wrapper = fxflops.instrument(model)
+    ids = torch.tensor([[5, 5, hf_zoo.START] + [hf_zoo.IMAGE] * 16 + [hf_zoo.END, 6, 7]])
+    vision = model.config.vision_config
+    torch.manual_seed(0)
+    prefill = dict(
+        input_ids=ids, attention_mask=torch.ones_like(ids), mm_token_type_ids=(ids == hf_zoo.IMAGE).long(),
+        image_grid_thw=torch.tensor([[1, 8, 8]]),
+        pixel_values=torch.randn(64, vision.in_channels * vision.temporal_patch_size * vision.patch_size**2),
+    )
+
+    def run(forward):
+        model.model.rope_deltas = None
+        cache = DynamicCache(config=model.config)
+        with torch.no_grad():
+            first = forward(**prefill, cache=cache, use_cache=True)
+            step = dict(input_ids=first.logits[:, -1:].argmax(-1), cache=cache, use_cache=True)
+            second = forward(**step, image_grid_thw=prefill["image_grid_thw"], mm_token_type_ids=torch.zeros_like(step["input_ids"]))
+        return first.logits, second.logits, model.model.rope_deltas
+
+    plain, wrapped = run(model), run(wrapper)
+    assert torch.equal(plain[2], wrapped[2])  # the deltas the model keeps
+    assert torch.allclose(plain[0], wrapped[0]) and torch.allclose(plain[1], wrapped[1])
+    assert wrapper.flops.uncounted == 0
+
+
+def test_a_vision_setting_changed_between_calls_derives_its_metadata_again():
+    """Qwen2.5-VL's window offsets depend on the encoder's ``window_size``: the adapter's per-grid
+    metadata is kept per setting too, so counts and outputs follow the change."""
+    model = hf_zoo.build("qwen2_5_vl", "eager").eval()
+    wrapper = fxflops.instrument(model)
+    rng = random.Random(5)
+    batch = hf_zoo.random_batch("qwen2_5_vl", rng, images=2)
+    encoder = model.model.visual
+    original = encoder.window_size
+    for window in (original, original * 2, original // 2, original):
+        encoder.window_size = window
+        with torch.no_grad():
+            assert counted(wrapper, batch, False) == flop_counter_total(model, batch, False), window
+            assert torch.allclose(wrapper(**batch).logits, model(**batch).logits), window

@@ -50,6 +50,7 @@ from fxflops.adapters.pieces import packed_pieces
 from fxflops.adapters.tiles import AnyresTiles
 from fxflops.capture.derived import DerivedSize, TracedSize
 from fxflops.errors import CaptureError, MetadataError
+from fxflops.situation_code import plain
 
 FEATURE_GETTERS = ("get_image_features", "get_video_features")
 GRIDS = {"image": "image_grid_thw", "video": "video_grid_thw"}  # modality -> its grid argument
@@ -100,6 +101,7 @@ class TransformersAdapter(Adapter):
         self.rope = _rope_owner(model)
         self.derived: set[str] = set()  # the keyword arguments prepare() adds
         self._derived_by_grid: dict[tuple, dict[str, Any]] = {}  # _vision_metadata's cache
+        self._encoder_settings = _settings_of(self.encoder) if self.encoder is not None else []
         self._signature = inspect.signature(model.forward)  # kept: prepare() binds calls on the hot path
         self.tiles = AnyresTiles.of(model, self._signature)  # images cut into tiles by their sizes (adapters/tiles.py)
         self.grids = PatchGrids.of(model, self._signature)  # patch grids cut by image sizes (adapters/patch_grids.py)
@@ -138,18 +140,34 @@ class TransformersAdapter(Adapter):
                 if value is not None and f"{modality}_{key}" not in call:
                     extras[f"{modality}_{key}"] = value
         if self.rope is not None and call.get("position_ids") is None and any(call.get(g) is not None for g in GRIDS.values()):
-            given = {k: v for k, v in call.items() if k in self._rope_parameters and v is not None}
-            with _naming(f"{type(self.rope).__name__}.get_rope_index", sorted(given)):
-                extras["position_ids"], _ = self.rope.get_rope_index(**given)
+            self._rope_positions(call, extras)
         self.derived.update(extras)
         return (args, {**kwargs, **extras}) if extras else (args, kwargs)
 
+    def _rope_positions(self, call: dict[str, Any], extras: dict[str, Any]) -> None:
+        """M-RoPE ``position_ids`` derived as the model derives them when it is not given them: with
+        its ``get_rope_index`` (per-image Python loops), storing the ``rope_deltas`` it returns where
+        the model keeps them (the next decode step continues from them), unless the call continues
+        a key-value cache from stored deltas, which the model's own code does without loops."""
+        cache = call.get("cache", call.get("past_key_values"))
+        cached = cache is not None and hasattr(cache, "get_seq_length") and cache.get_seq_length() > 0
+        keeps = "rope_deltas" in vars(self.rope)
+        if cached and keeps and self.rope.rope_deltas is not None:
+            return
+        given = {k: v for k, v in call.items() if k in self._rope_parameters and v is not None}
+        with _naming(f"{type(self.rope).__name__}.get_rope_index", sorted(given)):
+            extras["position_ids"], deltas = self.rope.get_rope_index(**given)
+        if keeps:
+            self.rope.rope_deltas = deltas
+
     def _vision_metadata(self, grid: torch.Tensor) -> dict[str, Any]:
         """The encoder's loop-built inputs for ``grid`` (cu_seqlens, positions, window indices: a
-        function of the grid's values and the encoder's fixed attributes), kept per grid on the host:
-        a dataset of few resolutions derives each once (transformers' precomputation walks the
-        encoder's modules for its attributes on every call). Emptied past 256 grids."""
-        key = (grid.dtype, tuple(grid.shape), grid.numpy().tobytes()) if grid.is_cpu and not grid.requires_grad else None
+        function of the grid's values and the encoder's settings), kept per grid and settings on the
+        host: a dataset of few resolutions derives each once (transformers' precomputation walks the
+        encoder's modules for its attributes on every call), and a setting changed between calls
+        (Qwen2.5-VL's ``window_size``) derives them again. Emptied past 256 grids."""
+        settings = tuple(_frozen(namespace.get(name)) for namespace, name in self._encoder_settings)
+        key = (grid.dtype, tuple(grid.shape), grid.numpy().tobytes(), settings) if grid.is_cpu and not grid.requires_grad else None
         found = self._derived_by_grid.get(key) if key is not None else None
         if found is None:
             inputs: dict[str, Any] = {"grid_thw": grid}
@@ -342,6 +360,34 @@ def _known_dims(label: str, rank: int) -> dict[int, str]:
     if label == "pixel_values_videos" and rank == 5:  # (videos, frames, channels, height, width)
         return {0: "videos", 1: "video_frames", 3: "height", 4: "width"}
     return {}
+
+
+_STACKS = (torch.nn.ModuleList, torch.nn.ModuleDict, torch.nn.Sequential)
+
+
+def _settings_of(encoder: torch.nn.Module) -> list[tuple[dict, str]]:
+    """(namespace, name) of the plain settings a vision encoder's derived metadata can depend on:
+    the public plain attributes of its config and of its modules outside repeated stacks (the patch
+    embedding's ``patch_size``, the merger's ``spatial_merge_size``, ``window_size``,
+    ``fullatt_block_indexes``; a stack's layers hold none of what the metadata reads)."""
+    stacked = {id(m) for s in encoder.modules() if isinstance(s, _STACKS) for m in s.modules()}
+    owners = [m for m in encoder.modules() if id(m) not in stacked]
+    owners += [c for c in (getattr(encoder, "config", None),) if c is not None and hasattr(c, "__dict__")]
+    return [
+        (vars(owner), name) for owner in owners for name, value in vars(owner).items()
+        if not name.startswith("_") and name != "training" and plain(value)
+    ]
+
+
+def _frozen(value: Any) -> Any:
+    """A plain value as a hashable key (lists and dicts as tuples)."""
+    if isinstance(value, (list, tuple)):
+        return tuple(_frozen(v) for v in value)
+    if isinstance(value, dict):
+        return tuple((k, _frozen(v)) for k, v in value.items())
+    if isinstance(value, set):
+        return frozenset(value)
+    return value
 
 
 def _precompute_encoder_inputs(encoder: torch.nn.Module, inputs: dict[str, Any]) -> None:
