@@ -55,7 +55,7 @@ from fxflops.build import build_program
 from fxflops.program import Program, backward_rule
 from fxflops.routing import RoutingProbes
 from fxflops.rules import per_use_entries
-from fxflops.situation import ModelState, describe_difference, mode_key
+from fxflops.situation import ModelState, describe_difference, mode_key, note_reparametrization
 
 ON_MISS = ("recapture", "raise")
 MAX_ATTEMPTS = 3  # captures tried per situation before its calls are refused outright
@@ -422,6 +422,7 @@ class Instrumented(torch.nn.Module):
         it cannot. A situation whose capture failed in a module is measured there (``measure``):
         then (its :class:`Spine`, None). ``roots``: the output tensors a traced backward starts
         from (a measured call's child), part of the situation."""
+        note_reparametrization()  # torch.func.functional_call swaps parameters unseen
         layout, modes = (len(args), tuple(kwargs), roots), mode_key()
         for check, traced_modes, program in self._recent.get(layout, ()):  # situations seen before: tested fast
             if traced_modes == modes and check(args, kwargs) and (program.state is None or program.state.matches()):

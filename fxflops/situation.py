@@ -32,12 +32,15 @@ import dataclasses
 import functools
 import itertools
 import operator
+import sys
+import threading
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.utils.stateless
 
 from fxflops.analysis.paths import inside, moved
 from fxflops.call_keys import SCALARS, value_key
@@ -165,11 +168,43 @@ class Structure:
         self.version += 1
 
 
+def _hook_ids(*hook_dicts: Any) -> tuple:
+    """The hooks of each dict by identity (a hook replaced by another one is another structure)."""
+    return tuple(tuple(map(id, hooks.values())) if hooks else () for hooks in hook_dicts)
+
+
 def _dead() -> None:
     return None
 
 
 STRUCTURE = Structure()
+
+_FUNCTIONAL_CALL = torch.nn.utils.stateless._functional_call.__code__  # what torch.func.functional_call runs
+
+
+class _Reparametrized(threading.local):
+    inside = False  # this thread's last lookup was made inside torch.func.functional_call
+
+
+_REPARAMETRIZED = _Reparametrized()
+
+
+def note_reparametrization(depth: int = 16) -> None:
+    """``torch.func.functional_call`` puts other tensors in a module's parameter and buffer dicts for
+    one call (MAML's fast weights, a wider weight), writing the dicts directly: no registration hook
+    fires. A call made inside it, and the first one after it, re-check model structures (a bump of
+    :data:`STRUCTURE`). Found by the frames of the calling thread, ``depth`` deep."""
+    frame, inside = sys._getframe(1), False
+    for _ in range(depth):
+        if frame is None:
+            break
+        if frame.f_code is _FUNCTIONAL_CALL:
+            inside = True
+            break
+        frame = frame.f_back
+    if inside or _REPARAMETRIZED.inside:
+        STRUCTURE.bump()
+    _REPARAMETRIZED.inside = inside
 
 _MODULE_INTERNALS = frozenset(vars(torch.nn.Module())) - {"training"}
 @dataclass(frozen=True)
@@ -300,20 +335,21 @@ class ModelState:
         self._structure_ok = True
 
     def _snapshot(self) -> tuple:
-        """Every module, parameter and buffer by identity (tensors with shape, dtype and device), the
-        hook counts and forward overrides: the structure the program was traced on."""
+        """Every module, parameter and buffer by identity (tensors with shape, dtype, device and
+        their gradient hooks), the hooks and forward overrides: the structure the program was traced on."""
         from torch.nn.modules import module as nn_module
 
-        rows: list[Any] = [
-            len(nn_module._global_forward_pre_hooks), len(nn_module._global_forward_hooks),
-            len(nn_module._global_backward_pre_hooks), len(nn_module._global_backward_hooks),
-        ]
+        rows: list[Any] = [_hook_ids(
+            nn_module._global_forward_pre_hooks, nn_module._global_forward_hooks,
+            nn_module._global_backward_pre_hooks, nn_module._global_backward_hooks,
+        )]
         for path, m in self.model.named_modules(remove_duplicate=False):
             tensors = tuple(
-                (name, id(t), t.dtype, tuple(t.shape), t.device) if t is not None else (name, None)
+                (name, id(t), t.dtype, tuple(t.shape), t.device, _hook_ids(t._backward_hooks, getattr(t, "_post_accumulate_grad_hooks", None)))
+                if t is not None else (name, None)
                 for name, t in itertools.chain(m._parameters.items(), m._buffers.items())
             )
-            hooks = (len(m._forward_pre_hooks), len(m._forward_hooks), len(m._backward_pre_hooks), len(m._backward_hooks))
+            hooks = _hook_ids(m._forward_pre_hooks, m._forward_hooks, m._backward_pre_hooks, m._backward_hooks)
             forward = vars(m).get("forward")  # an instance-level override (not fxflops' own routing probe)
             overridden = forward is not None and not getattr(forward, "fxflops_own", False)
             rows.append((path, id(m), type(m), tensors, hooks, id(forward) if overridden else None))
