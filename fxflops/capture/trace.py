@@ -140,17 +140,17 @@ def _trace_once(
 
 def _trace(
     model: torch.nn.Module, call: tuple[tuple, dict], tensors: dict[Path, torch.Tensor], integers: dict[Path, int],
-    specs: list[DimSpec], size_one: list[DimSpec], **options: Any,
+    specs: list[DimSpec], size_one: list[DimSpec], positional: list[str], **options: Any,
 ) -> tuple[_Trace, list[DimSpec]]:
     """Trace, again without layer reuse when a layer runs twice (``capture/reuse.py``), and again
     with the ``size_one`` dims constant when the trace fails with them free (a ``(4, 1)`` bias must
     broadcast). Returns the trace and the specs it kept free. Each attempt traces its own copy of
-    the call's opaque arguments: a failed attempt's writes (a key-value cache it filled) never reach
-    the next one, nor the user's objects."""
+    the call's opaque arguments (``positional``: the names of the positional ones): a failed
+    attempt's writes (a key-value cache it filled) never reach the next one, nor the user's objects."""
     plans = [(specs, True)]
     while True:
         specs, reusing = plans.pop(0)
-        own_args, own_kwargs, uncopied = isolated_call(*call)
+        own_args, own_kwargs, uncopied = isolated_call(*call, positional)
         try:
             with preserving_state(model, uncopied):
                 return _trace_once(model, (own_args, own_kwargs), tensors, integers, specs, reusing, **options), specs
@@ -209,7 +209,7 @@ def capture(
     def traced() -> tuple[_Trace, list[DimSpec]]:
         with capture_scope(), _attaching(reads):
             return _trace(
-                model, (args, kwargs), tensors, held_ints(named), specs, size_one,
+                model, (args, kwargs), tensors, held_ints(named), specs, size_one, list(named)[: len(args)],
                 backward=backward, adapter=adapter, per_segment=per_segment, reads=reads, roots=roots,
                 shapes=compute_shapes(model),  # sharded parameters: what this rank computes with
                 derived={name: (size.source, size.value(tensors[size.source])) for name, size in derived.items()},

@@ -1,0 +1,214 @@
+"""A capture never changes what the user holds: hooks and modes around the call, objects the model's
+code writes to, arguments, tensors, random streams (``fxflops/capture/ambient.py``,
+``isolation.py``, ``side_effects.py``, ``randomness.py``).
+
+Each test runs the same calls through ``instrument()`` and through an uninstrumented copy of the
+model, and compares what the user sees afterwards (outputs, lists and counters their hooks fill,
+caches, argument objects, tensor attributes, random states) with the plain run's, and every count
+with FlopCounterMode on the same call (``reference.flop_counter_call``).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import queue
+import random
+import subprocess
+import sys
+import textwrap
+import threading
+import warnings
+from random import random as _coin
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.modules.module as module_module
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode
+
+import fxflops
+from reference import flop_counter_call
+
+
+class MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def _quietly(fn, *args, **kwargs):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return fn(*args, **kwargs)
+
+
+def _step(model, x, backward):
+    out = model(x)
+    if backward:
+        out.sum().backward()
+    return out
+
+
+def _fake(value) -> bool:
+    return isinstance(value, (FakeTensor, torch.SymInt, torch.SymFloat, torch.SymBool))
+
+
+# 4. argument objects with slots --------------------------------------------------------------------
+
+class _SlotsCache:
+    __slots__ = ("keys", "length")
+
+    def __init__(self) -> None:
+        self.keys, self.length = None, 0
+
+
+@dataclasses.dataclass(slots=True)
+class _DataclassCache:
+    keys: torch.Tensor | None = None
+    length: int = 0
+
+
+class _LockedSlotsCache:
+    """Cannot be deep-copied (a lock): traced as it is, its slots put back afterwards."""
+
+    __slots__ = ("keys", "length", "lock")
+
+    def __init__(self) -> None:
+        self.keys, self.length, self.lock = None, 0, threading.Lock()
+
+
+class _Decoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.query, self.key = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x, cache):
+        keys = self.key(x)
+        cache.keys = keys if cache.keys is None else torch.cat([cache.keys, keys], dim=1)
+        cache.length += x.shape[1]
+        return self.query(x) @ cache.keys.transpose(1, 2)
+
+
+@pytest.mark.parametrize("kind", [_SlotsCache, _DataclassCache, _LockedSlotsCache], ids=lambda k: k.__name__.strip("_"))
+def test_an_argument_object_with_slots_is_left_as_the_plain_model_leaves_it(kind):
+    """A key-value cache whose class keeps its state in slots (also a slots dataclass, and one that
+    cannot be copied): after each of three decoding steps it holds what the plain model's cache
+    holds (real keys, a Python int length) and the outputs are the plain model's; the first call,
+    whose capture traced the cache, counts exactly."""
+    torch.manual_seed(0)
+    model = _Decoder()
+    wrapper = fxflops.instrument(model)
+    cache, plain_cache = kind(), kind()
+    for step, length in enumerate((5, 1, 1)):
+        x = torch.randn(2, length, 8)
+        with torch.no_grad():
+            out = _quietly(wrapper, x, cache)
+            expected = model(x, plain_cache)
+        assert type(cache.length) is int and cache.length == plain_cache.length
+        assert not isinstance(cache.keys, FakeTensor) and torch.equal(cache.keys, plain_cache.keys)
+        assert not isinstance(out, FakeTensor) and torch.equal(out, expected)
+        if step == 0:
+            assert wrapper.flops.total() == flop_counter_call(model, (x, kind()), {}, backward=False)
+    assert wrapper.flops.uncounted == 0
+
+
+# 5. iterator arguments -----------------------------------------------------------------------------
+
+class _Steps(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(8, 8)
+
+    def forward(self, x, steps):
+        for _ in steps:
+            x = self.layer(x)
+        return x
+
+
+def _steps(n):
+    yield from range(n)
+
+
+@pytest.mark.parametrize("make", [_steps, lambda n: iter(list(range(n)))], ids=["generator", "list_iterator"])
+def test_an_iterator_argument_is_never_consumed_by_the_capture(make):
+    """The real call gets the whole iterator (the output is the plain model's), and the calls are
+    counted exactly for any length: the code that reads it is measured, the capture refused naming
+    the argument."""
+    torch.manual_seed(0)
+    model = _Steps()
+    wrapper = fxflops.instrument(model, strict=True)
+    x = torch.randn(4, 8)
+    for n in (2, 3, 1):
+        wrapper.flops.reset()
+        with torch.no_grad():
+            out = wrapper(x, make(n))
+            expected = model(x, make(n))
+        assert torch.equal(out, expected)
+        assert wrapper.flops.total() == flop_counter_call(model, (x, make(n)), {}, backward=False)
+    assert "'steps'" in wrapper.measured[""] and "iterator" in wrapper.measured[""]
+    refusing = fxflops.instrument(model, measure=False)
+    with torch.no_grad(), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert torch.equal(refusing(x, make(2)), model(x, make(2)))
+    assert refusing.flops.uncounted == 1 and any("'steps'" in str(w.message) for w in caught)
+
+
+# 6. tensors the model holds outside its parameters and buffers ---------------------------------------
+
+_STEPS_SEEN = torch.zeros(())
+
+
+class _Stateful(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.norm = nn.Linear(8, 8), nn.BatchNorm1d(8)
+        self.register_buffer("average", torch.zeros(8))
+        self.steps = torch.zeros((), dtype=torch.long)  # a plain tensor attribute
+        self.history = [torch.zeros(8)]
+
+    def forward(self, x):
+        y = self.norm(self.fc(x))
+        with torch.no_grad():
+            self.average.mul_(0.9).add_(y.mean(0), alpha=0.1)
+            self.steps.add_(1)
+            self.history[0].add_(1.0)
+            _STEPS_SEEN.add_(1)
+            self.fc.weight.mul_(0.999)
+        return y
+
+
+def _state(model: _Stateful) -> dict[str, torch.Tensor]:
+    return {**model.state_dict(), "steps": model.steps, "history": model.history[0], "global": _STEPS_SEEN}
+
+
+@pytest.mark.parametrize("backward", [False, True], ids=["forward", "training"])
+def test_in_place_updates_of_held_tensors_run_once(backward):
+    """A plain tensor attribute used as a step counter, a tensor in a list attribute, a module-level
+    tensor, buffers and a parameter updated in place: after every call each equals the plain
+    model's, bit for bit, and each call counts exactly."""
+    torch.manual_seed(0)
+    model = _Stateful()
+    plain = copy.deepcopy(model)
+    wrapper = fxflops.instrument(model, backward=backward)
+    for n in (4, 6, 4):
+        x = torch.randn(n, 8)
+        before = copy.deepcopy(plain)
+        _STEPS_SEEN.zero_()
+        wrapper.flops.reset()
+        out = _quietly(_step, wrapper, x, backward)
+        state = {k: v.clone() for k, v in _state(model).items()}
+        _STEPS_SEEN.zero_()
+        expected = _quietly(_step, plain, x, backward)
+        assert torch.equal(out, expected)
+        for key, value in _state(plain).items():
+            assert torch.equal(state[key], value), key
+        assert wrapper.flops.total() == flop_counter_call(before, (x,), {}, backward=backward)
