@@ -62,6 +62,192 @@ def _fake(value) -> bool:
     return isinstance(value, (FakeTensor, torch.SymInt, torch.SymFloat, torch.SymBool))
 
 
+# 2. what the hooks write ---------------------------------------------------------------------------
+
+_GLOBAL_CALLS = 0
+_GLOBAL_RECORDS: dict[str, list] = {"outputs": []}
+_PROJECTION = torch.randn(8, 8)
+
+
+def _count_globally(module, inputs, output):
+    global _GLOBAL_CALLS
+    _GLOBAL_CALLS += 1
+    _GLOBAL_RECORDS["outputs"].append(output)
+
+
+class _Recorder:
+    """A bound-method hook's object: a counter and a list of what it saw."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.shapes: list = []
+        self.means: list = []
+
+    def hook(self, module, inputs, output):
+        self.calls += 1
+        self.shapes.append(output.shape[0])
+        self.means.append(output.abs().mean().item())
+
+
+def _into(records, module, inputs):
+    records.append(inputs[0])
+
+
+def _hooked(records: dict, recorder: _Recorder) -> tuple[nn.Module, list]:
+    """An MLP whose modules' hooks record into ``records``, ``recorder`` and this module's globals;
+    returns the model and the removable handles."""
+    torch.manual_seed(0)
+    model = MLP()
+    calls = 0
+
+    def count(module, inputs, output):
+        nonlocal calls
+        calls += 1
+        records["calls"] = calls
+
+    def project(module, inputs):  # a pre-hook that computes: its FLOPs count
+        return (inputs[0] @ _PROJECTION,)
+
+    handles = [
+        model.fc1.register_forward_hook(lambda m, i, o: records["forward"].append(o)),
+        model.fc1.register_forward_hook(count),
+        model.fc1.register_forward_pre_hook(project),
+        model.fc2.register_forward_pre_hook(functools.partial(_into, records["pre"])),
+        model.fc2.register_full_backward_hook(lambda m, gi, go: records["backward"].append(go[0])),
+        model.fc2.register_forward_hook(recorder.hook),
+        model.fc2.register_forward_hook(_count_globally),
+        module_module.register_module_forward_hook(
+            lambda m, i, o: records["global"].append(o.shape) if isinstance(m, nn.Linear) else None
+        ),
+    ]
+    return model, handles
+
+
+@pytest.mark.parametrize("backward", [False, True], ids=["forward", "training"])
+def test_hooks_record_what_they_record_for_the_plain_model(backward):
+    """Forward, pre-forward, full backward and global hooks, recording into closed-over lists and
+    dicts, a ``nonlocal`` counter, a bound method's object, a ``functools.partial``'s list and
+    module globals: after the first call each holds what the plain model's call leaves (no fake,
+    no symbolic number, nothing twice), and the count (a pre-hook's matmul included) is exact."""
+    global _GLOBAL_CALLS
+    seen = {}
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1), requires_grad=backward)
+    for label in ("reference", "plain", "wrapper"):
+        records, recorder = {"forward": [], "pre": [], "backward": [], "global": [], "calls": 0}, _Recorder()
+        _GLOBAL_CALLS, _GLOBAL_RECORDS["outputs"] = 0, []
+        model, handles = _hooked(records, recorder)
+        target = fxflops.instrument(model, backward=backward) if label == "wrapper" else model
+        try:
+            if label == "reference":  # FlopCounterMode on the hooked model's call
+                expected = flop_counter_call(model, (x.detach().requires_grad_(backward),), {}, backward=backward)
+            else:
+                _quietly(_step, target, x.detach().requires_grad_(backward), backward)
+        finally:
+            for handle in handles:
+                handle.remove()
+        seen[label] = (records, recorder, _GLOBAL_CALLS, list(_GLOBAL_RECORDS["outputs"]))
+    assert target.flops.total() == expected and target.flops.uncounted == 0
+    assert target.captures == 1 and target.measured == {}
+    (records, recorder, calls, outputs), (plain, plain_recorder, plain_calls, plain_outputs) = seen["wrapper"], seen["plain"]
+    for key in ("forward", "pre", "backward", "global"):
+        assert len(records[key]) == len(plain[key]), key
+        assert not any(_fake(value) for value in records[key]), key
+        for got, want in zip(records[key], plain[key]):
+            assert got == want if isinstance(want, torch.Size) else torch.equal(got, want), key
+    assert records["calls"] == plain["calls"] == 1
+    assert (recorder.calls, recorder.shapes, recorder.means) == (plain_recorder.calls, plain_recorder.shapes, plain_recorder.means)
+    assert all(type(v) is float for v in recorder.means) and all(type(v) is int for v in recorder.shapes)
+    assert calls == plain_calls == 1 and len(outputs) == 1 and torch.equal(outputs[0], plain_outputs[0])
+
+
+# 3. caches of the model's code ---------------------------------------------------------------------
+
+_MASKS: dict[int, torch.Tensor] = {}
+_TABLE = None
+_ASKED: "queue.Queue[str]" = queue.Queue()
+
+
+@functools.lru_cache(maxsize=None)
+def _rope(n: int, d: int) -> torch.Tensor:
+    return torch.cos(torch.arange(n, dtype=torch.float32)[:, None] * torch.arange(d, dtype=torch.float32)[None, :])
+
+
+@functools.cache
+def _scale(d: int) -> torch.Tensor:
+    return torch.full((d,), 0.5)
+
+
+def _mask(n: int) -> torch.Tensor:
+    if n not in _MASKS:
+        _MASKS[n] = torch.tril(torch.ones(n, n))
+    return _MASKS[n]
+
+
+def _table(d: int) -> torch.Tensor:
+    global _TABLE
+    if _TABLE is None:
+        _TABLE = torch.eye(d) * 2
+    return _TABLE
+
+
+def _ask_from_another_thread():
+    """While the capture traces: what another thread gets from the user's lru cache."""
+    worker = threading.Thread(target=lambda: _ASKED.put(type(_rope(8, 8)).__name__))
+    worker.start()
+    worker.join(timeout=10)
+
+
+class _Cached(nn.Module):
+    """Model code keeping tensors in module-level and class-level caches, keyed by a config size."""
+
+    window: dict[int, torch.Tensor] = {}
+
+    def __init__(self, length: int = 8) -> None:
+        super().__init__()
+        self.fc, self.length = nn.Linear(8, 8), length
+
+    def forward(self, x):  # x: (batch, length, 8)
+        if not isinstance(x.shape[0], int):  # inside a capture's trace
+            _ask_from_another_thread()
+        if self.length not in _Cached.window:
+            _Cached.window[self.length] = torch.ones(self.length, self.length) / self.length
+        y = (self.fc(x) + _rope(self.length, 8)) * _scale(8)
+        return _Cached.window[self.length] @ (_mask(self.length) @ y) @ _table(8)
+
+
+def _clear_caches():
+    global _TABLE
+    _rope.cache_clear(), _scale.cache_clear(), _MASKS.clear(), _Cached.window.clear()
+    _TABLE = None
+
+
+def test_the_models_caches_never_get_a_fake():
+    """lru caches (``functools.lru_cache``, ``functools.cache``), a module-level dict, a class-level
+    dict and a lazily set global, all filled by the model's code: after the first call none holds a
+    fake, the wrapper's and the plain model's outputs are the plain model's, another thread asking
+    the user's lru cache while the capture traces gets a real tensor, and the count is exact."""
+    torch.manual_seed(0)
+    model = _Cached()
+    x = torch.randn(2, 8, 8)
+    with torch.no_grad():
+        expected = model(x)
+    _clear_caches()
+    while not _ASKED.empty():
+        _ASKED.get()
+    wrapper = fxflops.instrument(model, strict=True)
+    with torch.no_grad():
+        outputs = [wrapper(x), wrapper(x), model(x)]
+    assert list(_ASKED.queue) == ["Tensor"]  # the capture traced once, and the other thread got a real tensor
+    for cached in (_rope(8, 8), _scale(8), _MASKS[8], _Cached.window[8], _TABLE):
+        assert not isinstance(cached, FakeTensor)
+    for out in outputs:
+        assert not isinstance(out, FakeTensor) and torch.equal(out, expected)
+    wrapper.flops.reset()
+    with torch.no_grad():
+        wrapper(x)
+    assert wrapper.flops.total() == flop_counter_call(model, (x,), {}, backward=False)
+
+
 # 4. argument objects with slots --------------------------------------------------------------------
 
 class _SlotsCache:

@@ -34,6 +34,7 @@ from fxflops.capture.reads import Reads, recording_reads
 from fxflops.capture.reuse import LayerCalledTwice, Reuse, reusing_repeated_layers
 from fxflops.capture.scope import capture_scope
 from fxflops.capture.shape_env import BlamingShapeEnv
+from fxflops.capture.side_effects import reach_of, undoing_side_effects
 from fxflops.capture.symbols import (
     Guard, check_free, guards_of, held_inputs, held_paths, in_public_symbols, named_symbol, named_symint, symbolic_inputs,
     symbolic_ints,
@@ -145,14 +146,18 @@ def _trace(
     """Trace, again without layer reuse when a layer runs twice (``capture/reuse.py``), and again
     with the ``size_one`` dims constant when the trace fails with them free (a ``(4, 1)`` bias must
     broadcast). Returns the trace and the specs it kept free. Each attempt traces its own copy of
-    the call's opaque arguments (``positional``: the names of the positional ones): a failed
-    attempt's writes (a key-value cache it filled) never reach the next one, nor the user's objects."""
-    plans = [(specs, True)]
+    the call's opaque arguments (``positional``: the names of the positional ones), and what it
+    wrote to the model's objects and outside them (``capture/side_effects.py``) is put back after
+    it: a failed attempt's writes (a key-value cache it filled) never reach the next one, nor the
+    user's objects."""
+    plans, reach = [(specs, True)], None
     while True:
         specs, reusing = plans.pop(0)
         own_args, own_kwargs, uncopied = isolated_call(*call, positional)
+        if reach is None:  # after the arguments were found traceable (an iterator is refused at once)
+            reach = reach_of(model)
         try:
-            with preserving_state(model, uncopied):
+            with preserving_state(model, uncopied), undoing_side_effects(reach):
                 return _trace_once(model, (own_args, own_kwargs), tensors, integers, specs, reusing, **options), specs
         except LayerCalledTwice:
             plans.append((specs, False))
