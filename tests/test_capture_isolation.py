@@ -62,6 +62,128 @@ def _fake(value) -> bool:
     return isinstance(value, (FakeTensor, torch.SymInt, torch.SymFloat, torch.SymBool))
 
 
+# 1. the user's saved-tensor hooks and modes never see the capture ----------------------------------
+
+_IN_USER_CONTEXTS = textwrap.dedent("""
+    import sys, warnings
+    import torch
+    from torch.utils.checkpoint import checkpoint
+    import fxflops
+    sys.path.insert(0, {tests!r})
+    from test_capture_isolation import MLP
+    from reference import flop_counter_call
+
+    def run(model, context):
+        x = torch.randn(4, 8, requires_grad=True, generator=torch.Generator().manual_seed(1))
+        packs = [0, 0]
+        def pack(t):
+            packs[0] += 1
+            return t
+        def unpack(t):
+            packs[1] += 1
+            return t
+        if context == "checkpoint":
+            out = checkpoint(model, x, use_reentrant=False)
+        elif context == "save_on_cpu":
+            with torch.autograd.graph.save_on_cpu():
+                out = model(x)
+        else:
+            with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+                out = model(x)
+        out.sum().backward()
+        return x.grad, packs
+
+    warnings.simplefilter("ignore")
+    for context in ("checkpoint", "save_on_cpu", "hooks"):
+        torch.manual_seed(0)
+        model = MLP()
+        plain = MLP()
+        plain.load_state_dict(model.state_dict())
+        wrapper = fxflops.instrument(model, backward=True)
+        grad, packs = run(wrapper, context)
+        expected_grad, expected_packs = run(plain, context)
+        assert torch.equal(grad, expected_grad), context
+        assert packs == expected_packs, (context, packs, expected_packs)
+        assert wrapper.flops.uncounted == 0 and wrapper.captures == 1, context
+        if context != "checkpoint":  # (the user's recompute of the wrapper's call is instrument()'s to count)
+            x = torch.randn(4, 8, requires_grad=True)
+            assert wrapper.flops.total() == flop_counter_call(plain, (x,), {{}}, backward=True), context
+    print("DONE")
+""")
+
+
+def test_a_first_call_inside_the_users_checkpoint_or_saved_tensor_hooks_completes():
+    """A first (capturing) call inside a non-reentrant checkpoint (it re-entered the wrapper from the
+    traced backward's unpack hook: a deadlock), save_on_cpu or the user's own pack hooks: it
+    completes (in a subprocess with a time limit: a regression fails, it does not hang the suite),
+    with the plain model's gradients and pack/unpack counts, and counts exactly."""
+    code = _IN_USER_CONTEXTS.format(tests=str(__import__("pathlib").Path(__file__).parent))
+    try:
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail("a first call inside the user's checkpoint or saved-tensor hooks hung")
+    assert "DONE" in done.stdout, done.stdout + done.stderr[-3000:]
+
+
+class _OpLog(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+class _SeesFakes(TorchFunctionMode):
+    """Records whether any torch function it sees gets a fake tensor or a symbolic size."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fakes = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        self.fakes += any(_fake(v) for v in torch.utils._pytree.tree_leaves((args, kwargs)))
+        return func(*args, **kwargs)
+
+
+def _counts_by_module(target, x, backward) -> dict:
+    counter = FlopCounterMode(display=False)
+    with counter:
+        _quietly(_step, target, x.detach().requires_grad_(backward), backward)
+    return counter.get_flop_counts()
+
+
+@pytest.mark.parametrize("backward", [False, True], ids=["forward", "training"])
+def test_the_users_modes_see_only_the_real_call(backward):
+    """A logging dispatch mode and a function mode around a first call see the call's own ops only
+    (the plain model's aten ops, none of the capture's fakes); the user's FlopCounterMode around a
+    first call counts it (plain ints, by module) as it counts a later call, which captures nothing."""
+    torch.manual_seed(0)
+    model = MLP()
+    plain = copy.deepcopy(model)
+    x = torch.randn(4, 8, requires_grad=backward)
+    logs = {}
+    for name, target in (("wrapper", fxflops.instrument(model, backward=backward)), ("plain", plain)):
+        log, functions = _OpLog(), _SeesFakes()
+        with functions, log:
+            _quietly(_step, target, x.detach().requires_grad_(backward), backward)
+        logs[name] = sorted(log.ops)
+        assert functions.fakes == 0, name
+    assert logs["wrapper"] == logs["plain"]
+    wrapper = fxflops.instrument(model, backward=backward)
+    first = _counts_by_module(wrapper, x, backward)
+    assert first == _counts_by_module(wrapper, x, backward)
+    assert all(type(n) is int for per_op in first.values() for n in per_op.values())
+    total = flop_counter_call(plain, (x,), {}, backward=backward)
+    assert sum(first["Global"].values()) == total
+    wrapper.flops.reset()
+    _quietly(_step, wrapper, x.detach().requires_grad_(backward), backward)
+    assert wrapper.flops.total() == total
+    assert wrapper.captures == 1 and wrapper.measured == {}
+
+
 # 2. what the hooks write ---------------------------------------------------------------------------
 
 _GLOBAL_CALLS = 0

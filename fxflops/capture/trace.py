@@ -24,6 +24,7 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fxflops.capture.adapters import Adapter
+from fxflops.capture.ambient import clean_slate
 from fxflops.capture.derived import DerivedSize, TracedSize
 from fxflops.capture.engines import compute_shapes, engines_left_alone
 from fxflops.capture.graph import trace_graph
@@ -168,6 +169,7 @@ def _trace(
             size_one = []
 
 
+@clean_slate()  # none of the user's saved-tensor hooks or modes around the call sees the capture (capture/ambient.py)
 def capture(
     model: torch.nn.Module,
     args: tuple = (),
