@@ -520,3 +520,84 @@ def test_in_place_updates_of_held_tensors_run_once(backward):
         for key, value in _state(plain).items():
             assert torch.equal(state[key], value), key
         assert wrapper.flops.total() == flop_counter_call(before, (x,), {}, backward=backward)
+
+
+# 7. Python and numpy random numbers ----------------------------------------------------------------
+
+class _LayerDrop(nn.Module):
+    """Skips its layer with probability 1/2 (Python's global generator, through a name bound at import)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.layer(x) if _coin() < 0.5 else x
+
+
+class _Drawing(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.drop = _LayerDrop()
+        self.repeat, self.scale = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.rng = random.Random(7)  # a generator the model holds
+
+    def forward(self, x):
+        x = self.drop(x)
+        for _ in range(random.randint(1, 3) + self.rng.randint(0, 1)):
+            x = self.repeat(x)
+        return self.scale(x) * float(np.random.rand())
+
+
+def _streams(model: _Drawing) -> tuple:
+    """The user's random streams: Python's, numpy's (its key array as bytes) and the model's own generator's."""
+    name, keys, *rest = np.random.get_state()
+    return random.getstate(), (name, keys.tobytes(), *rest), model.rng.getstate()
+
+
+def _set_streams(model: _Drawing, streams: tuple) -> None:
+    name, keys, *rest = streams[1]
+    random.setstate(streams[0])
+    np.random.set_state((name, np.frombuffer(keys, dtype=np.uint32), *rest))
+    model.rng.setstate(streams[2])
+
+
+def test_random_draws_are_measured_and_leave_the_users_streams_as_the_plain_model_does():
+    """LayerDrop (``from random import random``), a loop count (``random.randint`` and a generator
+    the model holds) and a numpy draw: every call's output and count are those of the plain model on the same
+    draws (FlopCounterMode), the user's random streams afterwards are the plain run's, and the
+    modules whose own code draws are the ones measured."""
+    torch.manual_seed(0)
+    model = _Drawing()
+    plain = copy.deepcopy(model)
+    wrapper = fxflops.instrument(model, strict=True)
+    random.seed(3)
+    np.random.seed(3)
+    for _ in range(8):
+        x = torch.randn(4, 8)
+        streams = _streams(model)
+        wrapper.flops.reset()
+        with torch.no_grad():
+            out = wrapper(x)
+        after = _streams(model)
+        _set_streams(plain, streams)
+        with torch.no_grad():
+            assert torch.equal(out, plain(x))
+        assert _streams(plain) == after
+        _set_streams(plain, streams)
+        assert wrapper.flops.total() == flop_counter_call(plain, (x,), {}, backward=False)
+        _set_streams(model, after)
+    assert "drop" in wrapper.measured and "random" in wrapper.measured["drop"]
+
+
+def test_a_capture_leaves_the_global_random_streams_as_they_were():
+    """A model that draws nothing: its capture (during which torch's size reasoning may draw from
+    its own generators) consumes nothing of the user's streams and is not refused."""
+    torch.manual_seed(0)
+    wrapper = fxflops.instrument(MLP(), backward=True)
+    random.seed(5)
+    np.random.seed(5)
+    before = random.getstate(), np.random.get_state()[1].tobytes()
+    _quietly(_step, wrapper, torch.randn(4, 8, requires_grad=True), True)
+    assert (random.getstate(), np.random.get_state()[1].tobytes()) == before
+    assert wrapper.captures == 1 and wrapper.measured == {}

@@ -59,6 +59,7 @@ import collections
 import contextlib
 import functools
 import os
+import random
 import sys
 import types
 from collections.abc import Callable, Iterator
@@ -129,6 +130,7 @@ class Reach:
     containers: list[Any] = field(default_factory=list)
     caches: dict[tuple[int, str], tuple[Any, str]] = field(default_factory=dict)  # (module or class, name) binding an lru cache
     lru_caches: dict[int, Any] = field(default_factory=dict)  # every lru cache found
+    generators: list[random.Random] = field(default_factory=list)  # Python random generators found (capture/randomness.py)
 
     def saved(self) -> list[Restorer]:
         """Restorers putting all of it back as it is now."""
@@ -232,6 +234,8 @@ class _Walk:
             self.todo.extend(islice(value.values() if isinstance(value, dict) else value, MAX_ITEMS))
         elif isinstance(value, _SEQUENCES):
             self.todo.extend(islice(value, MAX_ITEMS))
+        elif isinstance(value, random.Random):
+            self.reach.generators.append(value)
         elif self.model_code(type(value).__module__):  # a plain object, a callable one too
             self.reach.objects.append(value)
             self.todo.extend((*attribute_values(value), type(value)))

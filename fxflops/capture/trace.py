@@ -7,6 +7,12 @@ inputs built as fake tensors of those symbolic sizes (``capture/symbols.py``), t
 ``nn.Module`` path (``capture/graph.py``). Parameters stay real-shaped constants. No real compute
 runs. ``backed_size_oblivious`` keeps size-1/size-0 examples from specialising. ``make_fx`` keeps
 every tensor op, also one whose result is unused, so work that executes is counted.
+
+A capture changes nothing of the user's: it runs without the user's saved-tensor hooks and modes
+(``capture/ambient.py``), on a twin of the module tree and copies of the call's objects, with
+what the model's code writes elsewhere put back (``capture/isolation.py``,
+``capture/side_effects.py``), and neither consumes nor keeps Python's or numpy's random draws
+(``capture/randomness.py``).
 """
 
 from __future__ import annotations
@@ -31,11 +37,12 @@ from fxflops.capture.graph import trace_graph
 from fxflops.capture.inputs import DimSpec, Path, bind_call, held_ints, is_metadata, path_label, resolve_dims, tensor_leaves
 from fxflops.capture.isolation import isolated_call, preserving_state, twin_of
 from fxflops.capture.lifting import Lifted, install_stand_ins, lifted_paths
+from fxflops.capture.randomness import RandomDraw, refusing_random_draws
 from fxflops.capture.reads import Reads, recording_reads
 from fxflops.capture.reuse import LayerCalledTwice, Reuse, reusing_repeated_layers
 from fxflops.capture.scope import capture_scope
 from fxflops.capture.shape_env import BlamingShapeEnv
-from fxflops.capture.side_effects import reach_of, undoing_side_effects
+from fxflops.capture.side_effects import Reach, reach_of, undoing_side_effects
 from fxflops.capture.symbols import (
     Guard, check_free, guards_of, held_inputs, held_paths, in_public_symbols, named_symbol, named_symint, symbolic_inputs,
     symbolic_ints,
@@ -114,10 +121,11 @@ def _attaching(reads: Reads) -> Iterator[None]:
 def _trace_once(
     model: torch.nn.Module, call: tuple[tuple, dict], tensors: dict[Path, torch.Tensor], integers: dict[Path, int],
     specs: list[DimSpec], reusing: bool, backward: bool, adapter: Adapter, per_segment: dict[str, str], reads: Reads,
-    shapes: dict[int, torch.Size], roots: tuple[int, ...] | None, derived: dict[str, tuple[Path, int]],
+    shapes: dict[int, torch.Size], roots: tuple[int, ...] | None, derived: dict[str, tuple[Path, int]], reach: Reach,
 ) -> _Trace:
     """The call traced with ``specs`` free (and repeated layers reused when ``reusing``); ``derived``:
-    the derived sizes' example values, each a symbol the adapter's stand-ins receive."""
+    the derived sizes' example values, each a symbol the adapter's stand-ins receive; ``reach``:
+    what the model's code can write to (``capture/side_effects.py``)."""
     env = BlamingShapeEnv()
     mode = FakeTensorMode(shape_env=env, allow_non_fake_inputs=True)
     fakes, env_syms = symbolic_inputs(env, mode, tensors, specs)
@@ -132,8 +140,8 @@ def _trace_once(
     non_leaf = frozenset(id(fakes[path]) for path, t in tensors.items() if t.requires_grad and not t.is_leaf)
     twin = twin_of(model)  # the trace runs on, and writes to, its own copy of the module tree
     tree, ignored = twin.model, adapter.same_layer_attributes
-    with recording_reads(tree, reads, twin.originals), engines_left_alone(tree), adapter.capturing(tree, sizes), \
-            install_stand_ins(tree, per_segment, backward, ignored, shapes) as lifted:
+    with refusing_random_draws(tree, reach), recording_reads(tree, reads, twin.originals), \
+            engines_left_alone(tree), adapter.capturing(tree, sizes), install_stand_ins(tree, per_segment, backward, ignored, shapes) as lifted:
         skip = set(lifted_paths(tree, per_segment))
         with reusing_repeated_layers(tree, skip, backward, reusing, ignored) as reuse:
             gm = trace_graph(tree, mode, args, kwargs, backward, held, non_leaf, shapes, roots, sizes)
@@ -150,7 +158,7 @@ def _trace(
     the call's opaque arguments (``positional``: the names of the positional ones), and what it
     wrote to the model's objects and outside them (``capture/side_effects.py``) is put back after
     it: a failed attempt's writes (a key-value cache it filled) never reach the next one, nor the
-    user's objects."""
+    user's objects. An attempt that drew random numbers is not repeated (``capture/randomness.py``)."""
     plans, reach = [(specs, True)], None
     while True:
         specs, reusing = plans.pop(0)
@@ -159,9 +167,11 @@ def _trace(
             reach = reach_of(model)
         try:
             with preserving_state(model, uncopied), undoing_side_effects(reach):
-                return _trace_once(model, (own_args, own_kwargs), tensors, integers, specs, reusing, **options), specs
+                return _trace_once(model, (own_args, own_kwargs), tensors, integers, specs, reusing, reach=reach, **options), specs
         except LayerCalledTwice:
             plans.append((specs, False))
+        except RandomDraw:
+            raise
         except CaptureError:
             if not size_one:
                 raise
