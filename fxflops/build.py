@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from fxflops.adapters import Adapter, adapter_for
+from fxflops.capture.ambient import clean_slate
 from fxflops.capture.trace import capture
 from fxflops.program import Program, backward_rule
 from fxflops.rules import overlaid
@@ -47,7 +48,9 @@ def build_program(
     ``roots``: the output tensors (by position) a traced backward starts from (default: the loss, or
     every floating output)."""
     modes = mode_key()
-    with overlaid(rules):  # checks the rules before the capture; the analysis uses them
+    # without the user's saved-tensor hooks and modes around the call: they never see the capture's
+    # fakes, nor the analysis of its graph (capture/ambient.py); checks the rules before the capture
+    with clean_slate(), overlaid(rules):
         captured = capture(
             model, args, kwargs, dims, allow_pins=allow_pins, per_segment=per_segment,
             backward=backward == "traced", adapter=adapter, roots=roots,

@@ -22,6 +22,7 @@ import copy
 import dataclasses
 import io
 import pickle
+import queue
 import subprocess
 import sys
 import threading
@@ -400,18 +401,20 @@ class _WritesWhileTraced(nn.Module):
 def test_while_a_capture_traces_the_users_model_and_config_are_untouched():
     """At the moment the trace has written to the model and its config, and the capture has put fake
     parameters in: the user's model, seen from another thread, still holds its real weights and
-    its own attributes, and its config is as it was."""
-    seen: list[str] = []
+    its own attributes, and its config is as it was. (What the other thread sees goes to a queue: a
+    list the model's code reaches is put back after the capture, capture/side_effects.py.)"""
+    seen: queue.Queue[str] = queue.Queue()
 
     def inspect():
         def look():
             weight = model.proj._parameters["weight"]
-            seen.extend([
+            for line in (
                 f"fake weight: {isinstance(weight, FakeTensor)}",
                 f"weight is the parameter: {weight is real_weight}",
                 f"config length: {model.config.length}",
                 f"last input kept: {'last_input' in vars(model)}",
-            ])
+            ):
+                seen.put(line)
 
         worker = threading.Thread(target=look)
         worker.start()
@@ -422,7 +425,7 @@ def test_while_a_capture_traces_the_users_model_and_config_are_untouched():
     wrapper = fxflops.instrument(model, strict=True)
     x = torch.randn(6, 4)
     assert torch.equal(wrapper(x), model.proj(x))
-    assert seen == ["fake weight: False", "weight is the parameter: True", "config length: 0", "last input kept: False"]
+    assert list(seen.queue) == ["fake weight: False", "weight is the parameter: True", "config length: 0", "last input kept: False"]
     assert wrapper.flops.total() == 2 * 6 * 4 * 4
 
 @pytest.mark.parametrize("shared", [False, True], ids=["two_wrappers", "one_wrapper"])

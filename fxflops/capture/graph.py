@@ -22,6 +22,7 @@ from torch.fx.experimental.proxy_tensor import _AttrProxy, _ModuleStackTracer, m
 
 from fxflops.capture.derived import TracedSize
 from fxflops.capture.inputs import Path, put
+from fxflops.capture.isolation import user_tensors_read_only
 from fxflops.capture.outputs import loss_of, output_tensors
 from fxflops.capture.phases import run_backward, tagging_recompute
 from fxflops.capture.reuse import LayerCalledTwice
@@ -207,7 +208,8 @@ def trace_graph(
     run._orig_mod = model  # make_fx records nn_module_stack relative to this root
     try:
         phases = tagging_recompute() if backward else contextlib.nullcontext()
-        with fx_config.patch(backed_size_oblivious=True), no_stack_traces(), _layout_oblivious(), _access_paths_from_the_root(), _attention_flags_as_bools(), _grouped_mm_any_float(), phases, mode:
+        with fx_config.patch(backed_size_oblivious=True), no_stack_traces(), _layout_oblivious(), _access_paths_from_the_root(), \
+                _attention_flags_as_bools(), _grouped_mm_any_float(), phases, user_tensors_read_only(mode), mode:
             gm = make_fx(
                 run, tracing_mode="symbolic", _allow_non_fake_inputs=True, record_module_stack=True
             )(*(leaves[i] for i in slots), *(fake for _, _, fake in held), *fake_state, *(derived[n].symint for n in derived_names))

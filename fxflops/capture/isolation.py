@@ -14,13 +14,25 @@ model meanwhile (an evaluation thread) would compute with fake weights.
   sharing every tensor; the plain objects the modules hold (configs, two levels deep,
   ``capture/reads.py``) are copied the same way. The trace writes only to the twin.
 - :func:`isolated_call` gives the trace its own copy of every argument that is not a tensor, a plain
-  value or a container of those (a cache object, a config passed in): a deep copy that shares the
-  tensors, modules and functions inside it. An object that cannot be copied is passed as it is and
-  its attributes are restored afterwards, as for modules.
+  value or a container of those (a cache object, a config passed in, also one whose class keeps its
+  state in ``__slots__``): a deep copy that shares the tensors, modules and functions inside it. An
+  object that cannot be copied is passed as it is and its attributes are restored afterwards, as for
+  modules. An iterator argument (a generator, ``iter(steps)``) refuses the capture, naming it, at the
+  root module: a trace would consume it (the real call would get what is left), and one traced on a
+  copy would keep its length for every call; the root's own code, which reads it, is measured on the
+  real call instead (``fxflops/islands.py``), its children traced.
 - :func:`preserving_state` restores, after the block, the attributes of every module of the model and
-  of the plain objects they hold, and the contents of their list, dict and set attributes, by
-  identity: for what the twin does not own (an original module reached through a closure, such as a
-  compiled submodule's ``forward``; an argument that could not be copied).
+  of the plain objects they hold (their ``__dict__`` and their slots), and the contents of their list,
+  dict, set and deque attributes (nested ones too), by identity: for what the twin does not own (an
+  original module reached through a closure, such as a compiled submodule's ``forward``; an argument
+  that could not be copied). The same snapshots (:func:`saved_object`, :func:`saved_contents`, ...)
+  serve ``capture/side_effects.py``, which puts back what the model's code writes outside its modules.
+- :func:`user_tensors_read_only`: a tensor the trace did not make (a plain tensor attribute such as a
+  step counter, a tensor in a list attribute or a global) is real, and fake tensor mode runs an op
+  whose tensors are all real *for real* (constant propagation), so ``self.steps.add_(1)`` would
+  count the user's steps once more per capture. While tracing, an op that writes to a real tensor
+  writes to the fake that stands for it instead (the one fake tensor mode converts it to on every
+  read, so the trace still sees its own writes).
 """
 
 from __future__ import annotations
@@ -28,19 +40,26 @@ from __future__ import annotations
 import collections
 import contextlib
 import copy
+import functools
 import types
-from collections.abc import Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from fxflops.capture.reads import held_objects
+from fxflops.errors import CaptureError
 
 _MISSING = object()
 _CONTAINERS = (list, dict, set)
 _PLAIN_CONTAINERS = frozenset({list, dict, set, collections.OrderedDict})  # whose .copy() keeps their type
+_RESTORED = (list, dict, set, collections.deque)  # containers whose contents a snapshot puts back
+MAX_NESTING = 3  # containers inside containers whose contents a snapshot puts back
+
+Restorer = Callable[[], None]
 
 
 def _items(value: Any) -> list:
@@ -60,39 +79,114 @@ def _unchanged(now: list, before: list) -> bool:
     return True
 
 
-def _snapshot(obj: Any) -> tuple[dict, dict, dict]:
-    state = vars(obj)
-    contents = {key: _items(value) for key, value in state.items() if isinstance(value, _CONTAINERS)}
-    return state, dict(state), contents
+def saved_contents(container: Any, depth: int = MAX_NESTING) -> list[Restorer]:
+    """Restorers putting back the items of ``container`` (a list, dict, set or deque) by identity,
+    and those of the containers inside it, ``depth`` levels deep (a dict of lists of records)."""
+    items = _items(container)
 
-
-def _restore(state: dict, before: dict, contents: dict) -> None:
-    """Put ``state`` back as ``before``: attributes by identity, container contents in place."""
-    for key in [k for k in state if k not in before]:
-        del state[key]
-    for key, value in before.items():
-        if state.get(key, _MISSING) is not value:
-            state[key] = value
-    for key, items in contents.items():
-        value = before[key]
-        if not _unchanged(_items(value), items):
-            value.clear()
-            if isinstance(value, list):
-                value.extend(items)
+    def restore() -> None:
+        if not _unchanged(_items(container), items):
+            container.clear()
+            if isinstance(container, (dict, set)):
+                container.update(items)
             else:
-                value.update(items)
+                container.extend(items)
+
+    inner = [v for item in items for v in ((item[1],) if isinstance(container, dict) else (item,)) if isinstance(v, _RESTORED)]
+    return [restore, *(r for value in inner if depth > 0 for r in saved_contents(value, depth - 1))]
+
+
+def saved_bindings(state: dict, names: Collection[str] | None = None) -> Restorer:
+    """A restorer putting back the entries of ``state`` (an object's ``__dict__``, a module's
+    globals) by identity: those named in ``names``, or all of them (then also removing new ones)."""
+    if names is None:
+        before = dict(state)
+    else:
+        before = {name: state.get(name, _MISSING) for name in names}
+
+    def restore() -> None:
+        if names is None:
+            for key in [k for k in state if k not in before]:
+                del state[key]
+        for key, value in before.items():
+            if value is _MISSING:
+                state.pop(key, None)
+            elif state.get(key, _MISSING) is not value:
+                state[key] = value
+
+    return restore
+
+
+@functools.cache
+def _slot_descriptors(cls: type) -> tuple[Any, ...]:
+    """The descriptors of the slots instances of ``cls`` have (of every class of its MRO)."""
+    return tuple(
+        descriptor
+        for klass in cls.__mro__
+        if "__slots__" in vars(klass)
+        for descriptor in vars(klass).values()
+        if isinstance(descriptor, types.MemberDescriptorType)
+    )
+
+
+def _slot_values(obj: Any) -> dict[Any, Any]:
+    values = {}
+    for descriptor in _slot_descriptors(type(obj)):
+        try:
+            values[descriptor] = descriptor.__get__(obj, type(obj))
+        except AttributeError:  # an unset slot
+            values[descriptor] = _MISSING
+    return values
+
+
+def attribute_values(obj: Any) -> list[Any]:
+    """The values of ``obj``'s attributes: its ``__dict__``'s and its slots'."""
+    own = getattr(obj, "__dict__", None)
+    values = list(own.values()) if isinstance(own, dict) else []
+    if _slot_descriptors(type(obj)):
+        values += [v for v in _slot_values(obj).values() if v is not _MISSING]
+    return values
+
+
+def saved_object(obj: Any) -> list[Restorer]:
+    """Restorers putting back ``obj``'s attributes (``__dict__`` entries and slot values) by
+    identity and the contents of the containers they hold."""
+    own = getattr(obj, "__dict__", None)
+    state = own if isinstance(own, dict) else {}
+    slots = _slot_values(obj) if _slot_descriptors(type(obj)) else {}
+
+    def restore_slots() -> None:
+        for descriptor, value in slots.items():
+            try:
+                now = descriptor.__get__(obj, type(obj))
+            except AttributeError:
+                now = _MISSING
+            if now is value:
+                continue
+            if value is _MISSING:
+                descriptor.__delete__(obj)
+            else:
+                descriptor.__set__(obj, value)
+
+    held = [value for value in (*state.values(), *slots.values()) if isinstance(value, _RESTORED)]
+    restorers = [saved_bindings(state)] if state is own else []
+    return restorers + ([restore_slots] if slots else []) + [r for value in held for r in saved_contents(value)]
+
+
+def restore_all(restorers: list[Restorer]) -> None:
+    for restore in restorers:
+        restore()
 
 
 @contextlib.contextmanager
 def preserving_state(model: torch.nn.Module, extra: list[Any] = ()) -> Iterator[None]:
     """The model's modules and held objects (and ``extra`` objects) exactly as before, after the block."""
     objects = {id(m): m for m in model.modules()} | held_objects(model) | {id(o): o for o in extra}
-    saved = [_snapshot(obj) for obj in objects.values() if hasattr(obj, "__dict__")]
+    saved = [r for obj in objects.values() for r in saved_object(obj)]
     try:
         yield
     finally:
-        for state, before, contents in saved:
-            _restore(state, before, contents)
+        restore_all(saved)
 
 
 @dataclass(frozen=True)
@@ -115,7 +209,7 @@ def twin_of(model: torch.nn.Module) -> Twin:
 def _blank(obj: Any) -> Any:
     """A new object of ``obj``'s class with an empty ``__dict__`` (its ``__init__`` not run), or
     ``None`` when the class keeps state outside ``__dict__`` or cannot be made so (then shared)."""
-    if any(vars(cls).get("__slots__") for cls in type(obj).__mro__):
+    if _slot_descriptors(type(obj)):
         return None
     try:
         return object.__new__(type(obj))
@@ -156,6 +250,11 @@ def _plain(value: Any) -> bool:
     return isinstance(value, _PLAIN)
 
 
+def _has_state(value: Any) -> bool:
+    """Whether ``value`` is an object with attributes of its own (a ``__dict__`` or slots)."""
+    return hasattr(value, "__dict__") or bool(_slot_descriptors(type(value)))
+
+
 def _shared(obj: Any) -> dict[int, Any]:
     """A deepcopy memo keeping the tensors, modules and functions reachable from ``obj`` shared."""
     memo: dict[int, Any] = {}
@@ -173,18 +272,34 @@ def _shared(obj: Any) -> dict[int, Any]:
             stack.extend(value.values())
         elif isinstance(value, (list, tuple, set, frozenset)):
             stack.extend(value)
-        elif hasattr(value, "__dict__"):
-            stack.extend(vars(value).values())
+        elif _has_state(value):
+            stack.extend(attribute_values(value))
     return memo
 
 
-def isolated_call(args: tuple, kwargs: dict) -> tuple[tuple, dict, list[Any]]:
+def _label(path: tuple, names: list[str]) -> str:
+    """An argument's name from its pytree path in ``(args, kwargs)``: the parameter's name (from
+    ``names``, the positional arguments' names) and the steps below it."""
+    (where, key), rest = path[:2], path[2:]
+    index = getattr(key, "idx", None)
+    name = str(key.key) if where.idx == 1 else names[index] if index < len(names) else f"argument {index}"
+    return name + pytree.keystr(rest)
+
+
+def isolated_call(args: tuple, kwargs: dict, names: list[str] = ()) -> tuple[tuple, dict, list[Any]]:
     """``(args, kwargs)`` with every opaque argument replaced by a copy sharing its tensors; also the
-    objects that could not be copied (to be restored with :func:`preserving_state`)."""
+    objects that could not be copied (to be restored with :func:`preserving_state`). An iterator
+    argument raises :class:`CaptureError` naming it (``names``: the positional arguments' names)."""
     uncopied: list[Any] = []
 
-    def own(value: Any) -> Any:
-        if _plain(value) or not hasattr(value, "__dict__") or isinstance(value, torch.nn.Module) or callable(value):
+    def own(path: tuple, value: Any) -> Any:
+        if isinstance(value, Iterator):
+            raise CaptureError(
+                f"argument {_label(path, list(names))!r} is an iterator ({type(value).__name__}): a trace would consume "
+                "it, or keep the length of a copy for every call; the code that reads it is measured on each call instead",
+                module="",
+            )
+        if _plain(value) or not _has_state(value) or isinstance(value, torch.nn.Module) or callable(value):
             return value
         try:
             return copy.deepcopy(value, _shared(value))
@@ -192,5 +307,54 @@ def isolated_call(args: tuple, kwargs: dict) -> tuple[tuple, dict, list[Any]]:
             uncopied.append(value)
             return value
 
-    args, kwargs = pytree.tree_map(own, (args, kwargs))
+    args, kwargs = pytree.tree_map_with_path(own, (args, kwargs))
     return args, kwargs, uncopied
+
+
+@functools.cache
+def _written(func: Any) -> tuple[tuple[int, str], ...]:
+    """(position, name) of the arguments an ATen op writes to (``Tensor(a!)`` in its schema)."""
+    schema = getattr(func, "_schema", None)
+    if schema is None or not schema.is_mutable:
+        return ()
+    return tuple(
+        (i, argument.name) for i, argument in enumerate(schema.arguments)
+        if argument.alias_info is not None and argument.alias_info.is_write
+    )
+
+
+def _faked(mode: FakeTensorMode, value: Any) -> Any:
+    """``value`` with its real tensors replaced by the fakes ``mode`` stands them for."""
+    if isinstance(value, (list, tuple)):
+        return type(value)(_faked(mode, v) for v in value)
+    if isinstance(value, torch.Tensor) and not isinstance(value, FakeTensor):
+        return mode.fake_tensor_converter.from_real_tensor(mode, value)
+    return value
+
+
+@contextlib.contextmanager
+def user_tensors_read_only(mode: FakeTensorMode) -> Iterator[None]:
+    """For the block, ``mode`` never runs an op that writes to a real tensor: the op writes to the
+    tensor's fake instead (see the module docstring)."""
+    dispatch = mode.dispatch
+
+    def guarded(func: Any, classes: Any, args: Any = (), kwargs: Any = None) -> Any:
+        written = _written(func)
+        if written:
+            args, kwargs = list(args), dict(kwargs or {})
+            for i, name in written:
+                if i < len(args):
+                    args[i] = _faked(mode, args[i])
+                elif name in kwargs:
+                    kwargs[name] = _faked(mode, kwargs[name])
+        return dispatch(func, classes, args, kwargs)
+
+    own = vars(mode).get("dispatch", _MISSING)
+    mode.dispatch = guarded
+    try:
+        yield
+    finally:
+        if own is _MISSING:
+            del mode.dispatch
+        else:
+            mode.dispatch = own

@@ -7,6 +7,12 @@ inputs built as fake tensors of those symbolic sizes (``capture/symbols.py``), t
 ``nn.Module`` path (``capture/graph.py``). Parameters stay real-shaped constants. No real compute
 runs. ``backed_size_oblivious`` keeps size-1/size-0 examples from specialising. ``make_fx`` keeps
 every tensor op, also one whose result is unused, so work that executes is counted.
+
+A capture changes nothing of the user's: it runs without the user's saved-tensor hooks and modes
+(``capture/ambient.py``), on a twin of the module tree and copies of the call's objects, with
+what the model's code writes elsewhere put back (``capture/isolation.py``,
+``capture/side_effects.py``), and neither consumes nor keeps Python's or numpy's random draws
+(``capture/randomness.py``).
 """
 
 from __future__ import annotations
@@ -24,16 +30,19 @@ import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fxflops.capture.adapters import Adapter
+from fxflops.capture.ambient import clean_slate
 from fxflops.capture.derived import DerivedSize, TracedSize
 from fxflops.capture.engines import compute_shapes, engines_left_alone
 from fxflops.capture.graph import trace_graph
 from fxflops.capture.inputs import DimSpec, Path, bind_call, held_ints, is_metadata, path_label, resolve_dims, tensor_leaves
 from fxflops.capture.isolation import isolated_call, preserving_state, twin_of
 from fxflops.capture.lifting import Lifted, install_stand_ins, lifted_paths
+from fxflops.capture.randomness import RandomDraw, refusing_random_draws
 from fxflops.capture.reads import Reads, recording_reads
 from fxflops.capture.reuse import LayerCalledTwice, Reuse, reusing_repeated_layers
 from fxflops.capture.scope import capture_scope
 from fxflops.capture.shape_env import BlamingShapeEnv
+from fxflops.capture.side_effects import Reach, reach_of, undoing_side_effects
 from fxflops.capture.symbols import (
     Guard, check_free, guards_of, held_inputs, held_paths, in_public_symbols, named_symbol, named_symint, symbolic_inputs,
     symbolic_ints,
@@ -112,10 +121,11 @@ def _attaching(reads: Reads) -> Iterator[None]:
 def _trace_once(
     model: torch.nn.Module, call: tuple[tuple, dict], tensors: dict[Path, torch.Tensor], integers: dict[Path, int],
     specs: list[DimSpec], reusing: bool, backward: bool, adapter: Adapter, per_segment: dict[str, str], reads: Reads,
-    shapes: dict[int, torch.Size], roots: tuple[int, ...] | None, derived: dict[str, tuple[Path, int]],
+    shapes: dict[int, torch.Size], roots: tuple[int, ...] | None, derived: dict[str, tuple[Path, int]], reach: Reach,
 ) -> _Trace:
     """The call traced with ``specs`` free (and repeated layers reused when ``reusing``); ``derived``:
-    the derived sizes' example values, each a symbol the adapter's stand-ins receive."""
+    the derived sizes' example values, each a symbol the adapter's stand-ins receive; ``reach``:
+    what the model's code can write to (``capture/side_effects.py``)."""
     env = BlamingShapeEnv()
     mode = FakeTensorMode(shape_env=env, allow_non_fake_inputs=True)
     fakes, env_syms = symbolic_inputs(env, mode, tensors, specs)
@@ -130,7 +140,8 @@ def _trace_once(
     non_leaf = frozenset(id(fakes[path]) for path, t in tensors.items() if t.requires_grad and not t.is_leaf)
     twin = twin_of(model)  # the trace runs on, and writes to, its own copy of the module tree
     tree, ignored = twin.model, adapter.same_layer_attributes
-    with engines_left_alone(tree), adapter.capturing(tree, sizes), install_stand_ins(tree, per_segment, backward, ignored, shapes) as lifted:
+    with refusing_random_draws(tree, reach), engines_left_alone(tree), adapter.capturing(tree, sizes), \
+            install_stand_ins(tree, per_segment, backward, ignored, shapes) as lifted:
         skip = set(lifted_paths(tree, per_segment))
         # reads recorded around the trace only: fxflops' own walks over the modules (an adapter
         # looking for feature getters) are not the model's code and guard nothing
@@ -141,22 +152,28 @@ def _trace_once(
 
 def _trace(
     model: torch.nn.Module, call: tuple[tuple, dict], tensors: dict[Path, torch.Tensor], integers: dict[Path, int],
-    specs: list[DimSpec], size_one: list[DimSpec], **options: Any,
+    specs: list[DimSpec], size_one: list[DimSpec], positional: list[str], **options: Any,
 ) -> tuple[_Trace, list[DimSpec]]:
     """Trace, again without layer reuse when a layer runs twice (``capture/reuse.py``), and again
     with the ``size_one`` dims constant when the trace fails with them free (a ``(4, 1)`` bias must
     broadcast). Returns the trace and the specs it kept free. Each attempt traces its own copy of
-    the call's opaque arguments: a failed attempt's writes (a key-value cache it filled) never reach
-    the next one, nor the user's objects."""
-    plans = [(specs, True)]
+    the call's opaque arguments (``positional``: the names of the positional ones), and what it
+    wrote to the model's objects and outside them (``capture/side_effects.py``) is put back after
+    it: a failed attempt's writes (a key-value cache it filled) never reach the next one, nor the
+    user's objects. An attempt that drew random numbers is not repeated (``capture/randomness.py``)."""
+    plans, reach = [(specs, True)], None
     while True:
         specs, reusing = plans.pop(0)
-        own_args, own_kwargs, uncopied = isolated_call(*call)
+        own_args, own_kwargs, uncopied = isolated_call(*call, positional)
+        if reach is None:  # after the arguments were found traceable (an iterator is refused at once)
+            reach = reach_of(model)
         try:
-            with preserving_state(model, uncopied):
-                return _trace_once(model, (own_args, own_kwargs), tensors, integers, specs, reusing, **options), specs
+            with preserving_state(model, uncopied), undoing_side_effects(reach):
+                return _trace_once(model, (own_args, own_kwargs), tensors, integers, specs, reusing, reach=reach, **options), specs
         except LayerCalledTwice:
             plans.append((specs, False))
+        except RandomDraw:
+            raise
         except CaptureError:
             if not size_one:
                 raise
@@ -164,6 +181,7 @@ def _trace(
             size_one = []
 
 
+@clean_slate()  # none of the user's saved-tensor hooks or modes around the call sees the capture (capture/ambient.py)
 def capture(
     model: torch.nn.Module,
     args: tuple = (),
@@ -210,7 +228,7 @@ def capture(
     def traced() -> tuple[_Trace, list[DimSpec]]:
         with capture_scope(), _attaching(reads):
             return _trace(
-                model, (args, kwargs), tensors, held_ints(named), specs, size_one,
+                model, (args, kwargs), tensors, held_ints(named), specs, size_one, list(named)[: len(args)],
                 backward=backward, adapter=adapter, per_segment=per_segment, reads=reads, roots=roots,
                 shapes=compute_shapes(model),  # sharded parameters: what this rank computes with
                 derived={name: (size.source, size.value(tensors[size.source])) for name, size in derived.items()},
