@@ -311,8 +311,9 @@ class Instrumented(torch.nn.Module):
     def _look_up(self, args: tuple, kwargs: dict, defer: bool = False) -> tuple:
         """The call as the model runs it, and its (program, symbol values), or None when it is not
         counted. Found (or captured) before the model runs, so a first call's routing is measured too.
-        ``defer``: also return the error to raise once the model has run (``strict``, ``on_miss="raise"``:
-        the model's own exception, if it raises one, comes first), else None."""
+        ``defer``: also return the error to raise once the model has run, else None: with ``strict``,
+        a failed capture (the model's own exception, if the call raises one, comes first: an
+        ``assert`` in its code may be why the trace failed)."""
         if not_a_microbatch():  # a pipeline stage inferring its shapes (capture/engines.py)
             return (args, kwargs, None, None) if defer else (args, kwargs, None)
         deferred = None
@@ -323,7 +324,7 @@ class Instrumented(torch.nn.Module):
                 self.routing.take()  # measurements of an earlier call that was not counted
         except Exception as exc:  # noqa: BLE001 - the one fail-open boundary (module docstring)
             found = None
-            if defer and self._raises(exc):
+            if defer and self.strict and isinstance(exc, CaptureError):  # the model's own error (an assert) may be why
                 self.flops.not_counted()
                 deferred = exc
             else:

@@ -8,7 +8,8 @@ the code instead of interpreting it, so it guards what the code *can* read (:fun
 names the model classes' functions load (their code objects' ``co_names``, nested code included)
 that their module's globals hold, and the cells of their closures, following the functions those
 name into their own globals (model code only: not torch's, not fxflops'). Plain values (numbers,
-strings, flags, small containers of them) are compared by value, functions by identity. Names the
+strings, flags, tuples of them) are compared by value, functions and mutable containers by identity
+(a module-level dict the code fills is a cache, not a setting). Names the
 code itself assigns (``global calls; calls += 1``, ``nonlocal``) are its bookkeeping and are not
 guarded (else every call would be another situation, as a recompile per call is under Dynamo).
 (Attributes of the model's modules and of the objects they hold, class attributes among them, are
@@ -146,11 +147,14 @@ def _reads_of(fn: types.FunctionType) -> Iterator[CodeRead]:
             yield read
 
 
+_MUTABLE = (list, dict, set)
+
+
 def _read(label: str, namespace: Any, key: str | None, value: Any) -> CodeRead | None:
     if isinstance(value, type):  # a class the code builds or tests against: not state a count depends on
         return None
-    if isinstance(value, (bool, type(None))):
-        return CodeRead(label, namespace, key, value, "is")
+    if isinstance(value, (bool, type(None))) or isinstance(value, _MUTABLE):  # a dict, list or set by identity:
+        return CodeRead(label, namespace, key, value, "is")  # the code may fill it (a cache, a registry)
     if plain(value):
         return CodeRead(label, namespace, key, copied(value), "==")
     if isinstance(value, types.FunctionType):
