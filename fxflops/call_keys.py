@@ -18,6 +18,7 @@ apply (the key is then built and looked up as usual).
 
 from __future__ import annotations
 
+import collections.abc
 import enum
 import functools
 import inspect
@@ -106,6 +107,7 @@ def _opaque_key(value: Any, shapes: bool) -> Any:
     - a bound method: its function and the key of the object it is bound to;
     - a numpy array: dtype, shape and contents (refused above :data:`_ARRAY_BYTES`);
     - an object with ``__slots__``: its class and its slots' values; a callable object: its attributes;
+    - an iterator (a generator): its type (a capture never consumes one: the code reading it is measured);
     - anything else (a module, a builtin, an extension object): its identity."""
     kind = type(value)
     if isinstance(value, functools.partial):
@@ -122,6 +124,8 @@ def _opaque_key(value: Any, shapes: bool) -> Any:
     slots = _slot_values(value)
     if slots is not None:
         return (kind, "slots", tuple((name, _key(v, True, None)) for name, v in slots))
+    if isinstance(value, collections.abc.Iterator):  # its items are read by the code that takes it, never by a capture
+        return (kind, "iterator")
     state = getattr(value, "__dict__", None)
     if callable(value) and isinstance(state, dict) and not isinstance(value, (torch.nn.Module, type)):
         return (kind, "object", tuple((name, _key(v, True, None)) for name, v in state.items()))  # a callable object

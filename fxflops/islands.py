@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import types
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -337,9 +338,11 @@ class _ChildCall:
 
 @dataclass
 class _Routed:
-    """Instance-level ``_call_impl`` routes installed on one module while measured calls run."""
+    """The instance-level ``_call_impl`` route installed on one module while measured calls run."""
 
-    method: Callable[..., Any]
+    method: Callable[..., Any]  # _call_impl bound to the module
+    module: torch.nn.Module
+    original: Callable[..., Any]  # what the module's calls ran before
     users: int = 0
 
 
@@ -348,22 +351,32 @@ _ROUTES_LOCK = threading.Lock()
 _CALLS: dict[int, MeasuredCall] = {}  # thread -> the measured call it runs
 
 
+def _call_impl(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """The route a measured call installs on a module (bound to it as its instance ``_call_impl``):
+    in the thread of a measured call, the call enters it; anywhere else, and on any other module,
+    the module runs as always. Bound to the module, it follows a copy of it: ``copy.deepcopy`` of a
+    routed module (a teacher copied from the student inside a measured forward) binds it to the copy,
+    which is not routed and runs its own code; pickling it (``torch.save`` from another thread) saves
+    the name ``_call_impl``, which a loaded module resolves to its class's own."""
+    routed = _ROUTES.get(id(self))
+    if routed is None or routed.module is not self:
+        return type(self)._call_impl(self, *args, **kwargs)
+    run = _CALLS.get(threading.get_ident())
+    if run is None or run.closed:
+        return routed.original(*args, **kwargs)
+    return run.enter(self, routed.original, args, kwargs)
+
+
+_call_impl.fxflops_own = True  # not the model's (call situations, capture twins)
+
+
 def _install(module: torch.nn.Module) -> None:
     with _ROUTES_LOCK:
         routed = _ROUTES.get(id(module))
         if routed is None:
             original = vars(module).get("_call_impl") or type(module)._call_impl.__get__(module)
-
-            def call(*args: Any, **kwargs: Any) -> Any:
-                run = _CALLS.get(threading.get_ident())
-                if run is None or run.closed:
-                    return original(*args, **kwargs)
-                return run.enter(module, original, args, kwargs)
-
-            call.fxflops_own = True  # not the model's (call situations, capture twins)
-            call.fxflops_wraps = original
-            routed = _ROUTES[id(module)] = _Routed(call)
-            vars(module)["_call_impl"] = call
+            routed = _ROUTES[id(module)] = _Routed(types.MethodType(_call_impl, module), module, original)
+            vars(module)["_call_impl"] = routed.method
         routed.users += 1
 
 

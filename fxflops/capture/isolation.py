@@ -62,8 +62,16 @@ MAX_NESTING = 3  # containers inside containers whose contents a snapshot puts b
 Restorer = Callable[[], None]
 
 
-def _items(value: Any) -> list:
-    return list(value.items()) if isinstance(value, dict) else list(value)
+def _items(value: Any, attempts: int = 8) -> list:
+    """The items of a container, copied; again when it changed while copied (a weak container the
+    garbage collector empties, a registry another thread fills)."""
+    for attempt in range(attempts):
+        try:
+            return list(value.items()) if isinstance(value, dict) else list(value)
+        except RuntimeError:  # "changed size during iteration"
+            if attempt == attempts - 1:
+                raise
+    return []
 
 
 def _unchanged(now: list, before: list) -> bool:
