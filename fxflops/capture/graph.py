@@ -14,7 +14,6 @@ from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
-import torch.fx.experimental._config as fx_config
 import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -25,7 +24,7 @@ from fxflops.capture.inputs import Path, put
 from fxflops.capture.phases import run_backward, tagging_recompute
 from fxflops.capture.reuse import LayerCalledTwice
 from fxflops.capture.scope import patched
-from fxflops.capture.shape_env import format_location, is_library_file
+from fxflops.capture.shape_env import format_location, is_library_file, size_oblivious
 from fxflops.errors import CaptureError
 
 TENSOR = object()  # marks tensor leaves in a graph's recorded output structure
@@ -206,7 +205,7 @@ def trace_graph(
     run._orig_mod = model  # make_fx records nn_module_stack relative to this root
     try:
         phases = tagging_recompute() if backward else contextlib.nullcontext()
-        with fx_config.patch(backed_size_oblivious=True), no_stack_traces(), _layout_oblivious(), _access_paths_from_the_root(), _attention_flags_as_bools(), _grouped_mm_any_float(), phases, mode:
+        with size_oblivious(), no_stack_traces(), _layout_oblivious(), _access_paths_from_the_root(), _attention_flags_as_bools(), _grouped_mm_any_float(), phases, mode:
             gm = make_fx(
                 run, tracing_mode="symbolic", _allow_non_fake_inputs=True, record_module_stack=True
             )(*(leaves[i] for i in slots), *(fake for _, _, fake in held), *fake_state, *(derived[n].symint for n in derived_names))

@@ -54,6 +54,7 @@ def symbolic_inputs(
             sym = env.create_symbol(
                 example, source, DimDynamic.DYNAMIC, positive=None, do_not_specialize_zero_one=True
             )
+            env.sizes.add(sym)
             by_name[spec.name] = (env.create_symintnode(sym, hint=example, source=source), example)
         symint, first = by_name[spec.name]
         if example != first:
@@ -139,10 +140,31 @@ def in_public_symbols(env: BlamingShapeEnv, env_to_named: dict[sympy.Symbol, sym
 
 
 def guards_of(env: BlamingShapeEnv, env_to_named: dict[sympy.Symbol, sympy.Symbol]) -> list[Guard]:
-    """The conditions the trace relied on, in the public symbols, each with the model line that made it."""
+    """The conditions the trace relied on, in the public symbols, each with the model line that made it.
+
+    A condition is dropped only when it holds for every value its symbols can take: a tensor size
+    any integer >= 0 (:attr:`BlamingShapeEnv.sizes`), any other symbol (an integer an argument object
+    holds, a derived size) any integer. Not for every *public* symbol: those are positive, and sympy
+    would call ``Ne(8*batch, 0)`` (the model's ``if x.numel() == 0``) or ``batch >= 1`` true and drop
+    the one guard that keeps a program traced at ``batch = 4`` from counting ``batch = 0``. The kept
+    condition is written in the public symbols unevaluated, for the same reason."""
     guards = []
     for guard in env.guards:
-        expr = in_public_symbols(env, env_to_named, guard.expr)
-        if expr is not sympy.true:
-            guards.append(Guard(expr, format_location(guard.sloc.framework_loc)))
+        expr = env.replace(sympy.sympify(guard.expr))
+        domains = _domains(env, expr)
+        expr = expr.xreplace(domains)  # evaluated under what is true of every value
+        if expr is sympy.true:
+            continue
+        with sympy.evaluate(False):
+            public = expr.xreplace({domain: env_to_named.get(sym, sym) for sym, domain in domains.items()})
+        guards.append(Guard(public, format_location(guard.sloc.framework_loc)))
     return guards
+
+
+def _domains(env: BlamingShapeEnv, expr: sympy.Basic) -> dict[sympy.Symbol, sympy.Symbol]:
+    """For each free symbol of ``expr``, a symbol of its name that knows only what holds for every
+    value: an integer >= 0 for a tensor size, an integer for any other (see :func:`guards_of`)."""
+    return {
+        sym: sympy.Symbol(sym.name, integer=True, nonnegative=True) if sym in env.sizes else sympy.Symbol(sym.name, integer=True)
+        for sym in expr.free_symbols
+    }
