@@ -47,32 +47,42 @@ _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 _SKIPPED_DIRS = (_TORCH_DIR + os.sep, _FXFLOPS_DIR + os.sep)
 _MODEL_DIR = os.path.join(_FXFLOPS_DIR, "models") + os.sep
 
-# Where torch's size-oblivious default is sound for counting (torch 2.13), by file and function (any
-# part of its qualified name): memory-layout reasoning, whose answers only choose strides, contiguity
-# flags or storage sizes, never a size; and broadcasting, whose default "not broadcast" is backed by a
-# torch._check that the sizes are equal, a guard. A site missing here is decided from the example and
-# guarded (BlamingShapeEnv.decide): more programs, never a wrong count.
+# Where torch's size-oblivious default is sound for counting (torch 2.13, each site read), by file and
+# function (any part of its qualified name): memory-layout reasoning (strides, contiguity, storage
+# size, the memory format a kernel would pick), whose answers never change a size; broadcasting,
+# slicing and indexing, whose undecided cases are exact symbolic expressions or torch._check's that
+# become guards; and choices between equal arithmetic (matmul folding its batch into one mm, einsum's
+# contraction order). A site missing here is decided from the example and guarded
+# (BlamingShapeEnv.decide): more programs, never a wrong count. Sites whose default changes a size
+# (squeeze's ``t == 1``, cat's 1-D empty inputs, a convolution with 0 input channels) are missing on
+# purpose.
 _SOUND_FUNCTIONS = {
     os.path.join(_TORCH_DIR, "_prims_common", "__init__.py"): frozenset({
         "check_contiguous_sizes_strides", "is_contiguous", "is_channels_last_contiguous_2d",
         "is_channels_last_contiguous_3d", "K", "_is_non_overlapping_and_dense_or_false",
         "compute_elementwise_output_logical_to_physical_perm", "are_strides_like_channels_last_or_false",
-        "compute_required_storage_length", "_check_strides_helper",
+        "compute_required_storage_length", "_check_strides_helper", "infer_size", "same_shape",
     }),
     os.path.join(_TORCH_DIR, "_subclasses", "fake_impls.py"): frozenset({
         "_compute_stride", "_is_contiguous_with_hinted_checks", "_hinted_eq", "_view_unbacked_meta",
-        "infer_size", "make_fast_binary_impl",
+        "infer_size", "make_fast_binary_impl", "meta_select", "_compute_slice_index", "slice_forward",
     }),
     os.path.join(_TORCH_DIR, "_subclasses", "meta_utils.py"): frozenset({"meta_tensor"}),
     # a cached fake output rebuilt on its storage (``set_``'s bounds check)
     os.path.join(_TORCH_DIR, "_subclasses", "fake_tensor.py"): frozenset({"_get_output_tensor_from_cache_entry"}),
     os.path.join(_TORCH_DIR, "_prims", "__init__.py"): frozenset({"_collapse_view_helper", "_broadcast_in_dim_meta"}),
-    os.path.join(_TORCH_DIR, "_refs", "__init__.py"): frozenset({"_broadcast_shapes", "_maybe_broadcast", "expand"}),
+    os.path.join(_TORCH_DIR, "_refs", "__init__.py"): frozenset({
+        "_broadcast_shapes", "_maybe_broadcast", "expand", "diagonal_scatter",
+    }),
+    os.path.join(_TORCH_DIR, "_meta_registrations.py"): frozenset({"meta_baddbmm"}),
+    os.path.join(_TORCH_DIR, "_decomp", "decompositions.py"): frozenset({"should_fold", "matmul"}),
 }
-# the same for torch's C++ (a SymNode's guard_or_* is called with the C++ file and line): layout only
+# the same for torch's C++ (a SymNode's guard_or_* is called with the C++ file and line): contiguity
+# and storage; the backend (memory format) a convolution would pick; einsum's contraction plan
 _SOUND_SOURCES = (
     "c10/core/Contiguity.h", "c10/core/SymbolicShapeMeta.cpp", "c10/core/TensorImpl.h", "aten/src/ATen/core/TensorBase.h",
-    "aten/src/ATen/EmptyTensor.cpp", "aten/src/ATen/TensorUtils.cpp",
+    "aten/src/ATen/EmptyTensor.cpp", "aten/src/ATen/TensorUtils.cpp", "aten/src/ATen/native/Convolution.cpp",
+    "aten/src/ATen/native/Linear.cpp",
 )
 _ASKING_SKIPPED = (os.path.abspath(symbolic_shapes.__file__), os.path.abspath(__file__), os.path.join(_FXFLOPS_DIR, "capture", "scope.py"))
 
