@@ -8,12 +8,13 @@ files; under the module-stack tracer that is ``nn/modules/module.py``. fxflops n
 Size-oblivious decisions. The trace runs with ``backed_size_oblivious`` (:func:`size_oblivious`) so
 that a size-0/1 example does not pin its symbol. In that mode torch answers every ``guard_or_false(c)``
 / ``guard_or_true(c)`` it cannot prove from the symbols' ranges with the default (False / True) and
-records nothing. Where torch reasons about memory layout (strides, contiguity, storage size) or
-broadcasting (:data:`_SOUND_FUNCTIONS`, :data:`_SOUND_SOURCES`) that is sound for counting: either
-answer gives tensors of the same sizes (a view or a copy, one stride order or another; "not
-broadcast" is backed by a ``torch._check`` that the sizes are equal, a guard), and a model's own
-``x.is_contiguous()`` is torch's exact symbolic condition, guarded as usual. Elsewhere the default
-can change sizes: squeeze's ``guard_or_false(t == 1)`` keeps the dim of a ``t = 1`` example
+records nothing. At the sites torch's default is sound for counting (:data:`_SOUND_FUNCTIONS`,
+:data:`_SOUND_SOURCES`, each read) that is kept: memory layout (strides, contiguity, storage size:
+either answer gives tensors of the same sizes, a view or a copy, one stride order or another; a
+model's own ``x.is_contiguous()`` is torch's exact symbolic condition, guarded as usual),
+broadcasting, slicing and indexing (an undecided case is an exact symbolic size or a
+``torch._check`` that becomes a guard), and choices between equal arithmetic (matmul's folding).
+Elsewhere the default can change sizes: squeeze's ``guard_or_false(t == 1)`` keeps the dim of a ``t = 1`` example
 (wrong for that very call), and a program traced at ``t = 3`` would be silently reused for ``t = 1``.
 There :meth:`BlamingShapeEnv.decide` answers instead: the condition's truth at the example sizes,
 recorded as a guard of the program (not a replacement: ``t == 1`` is a guard, never a pin). The
