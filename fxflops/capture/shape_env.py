@@ -80,13 +80,13 @@ _SOUND_FUNCTIONS = {
 }
 # the same for torch's C++ (a SymNode's guard_or_* is called with the C++ file and line): contiguity
 # and storage; the backend (memory format) a convolution would pick; einsum's contraction plan;
-# broadcasting and its reverse, summing a gradient to its input's shape (ExpandUtils' sum_to, autograd's
-# shape check), each backed by a size check
+# broadcasting (also repeat_interleave's one repeat count for all) and its reverse, summing a gradient
+# to its input's shape (ExpandUtils' sum_to, autograd's shape check), each backed by a size check
 _SOUND_SOURCES = (
     "c10/core/Contiguity.h", "c10/core/SymbolicShapeMeta.cpp", "c10/core/TensorImpl.h", "aten/src/ATen/core/TensorBase.h",
     "aten/src/ATen/EmptyTensor.cpp", "aten/src/ATen/TensorUtils.cpp", "aten/src/ATen/native/Convolution.cpp",
     "aten/src/ATen/native/Linear.cpp", "aten/src/ATen/ExpandUtils.h", "aten/src/ATen/ExpandUtils.cpp",
-    "torch/csrc/autograd/input_metadata.cpp",
+    "aten/src/ATen/native/Repeat.cpp", "torch/csrc/autograd/input_metadata.cpp",
 )
 _ASKING_SKIPPED = (os.path.abspath(symbolic_shapes.__file__), os.path.abspath(__file__), os.path.join(_FXFLOPS_DIR, "capture", "scope.py"))
 
