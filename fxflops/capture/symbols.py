@@ -19,7 +19,7 @@ from torch.fx.experimental.symbolic_shapes import DimDynamic
 
 from fxflops.capture.inputs import DimSpec, Path, held_root, path_label, reach
 from fxflops.capture.shape_env import BlamingShapeEnv, format_location
-from fxflops.errors import CaptureError, InputError, PinnedSymbolError
+from fxflops.errors import InputError, PinnedSymbolError
 
 
 def named_symbol(name: str) -> sympy.Symbol:
@@ -66,65 +66,48 @@ def symbolic_inputs(
     fakes = {}
     with mode:
         for path, tensor in tensors.items():
-            fakes[path] = fake_like(tensor, sizes[path], path)
+            fakes[path] = fake_like(tensor, sizes[path])
     env_syms = {name: symint.node.expr for name, (symint, _) in by_name.items()}
     return fakes, env_syms
 
 
-def fake_like(tensor: torch.Tensor, sizes: list[Any], path: Path) -> torch.Tensor:
+def fake_like(tensor: torch.Tensor, sizes: list[Any]) -> torch.Tensor:
     """A tensor (a fake, in the caller's mode) of ``sizes`` that answers every question a model may
     ask of ``tensor`` as ``tensor`` does: dtype, device, ``requires_grad``, inference mode, and its
-    memory layout (:func:`dense_layout`: ``is_contiguous()``, ``stride()``, channels-last). Strides it
-    cannot write over ``sizes`` raise :class:`CaptureError` naming the input (other kinds of tensor
-    are refused before: ``inputs.refuse_untraceable``)."""
-    layout = dense_layout(tensor)
-    if layout is None:
-        raise CaptureError(
-            f"input {path_label(path)!r} has strides {tuple(tensor.stride())} for sizes {tuple(tensor.shape)} (a slice "
-            "or another view with gaps): fxflops traces dense tensors in any dimension order, broadcast "
-            "(stride-0) dimensions included; pass it .contiguous()"
-        )
-    inner_first, broadcast = layout
+    memory layout (:func:`strides_like`: ``is_contiguous()``, ``stride()``, channels-last). Kinds of
+    tensor no such fake stands for are refused before (``inputs.refuse_untraceable``)."""
+    strides = strides_like(tensor, sizes)
     with torch.inference_mode(tensor.is_inference()):
-        if not broadcast and inner_first == list(reversed(range(tensor.dim()))):  # torch's own contiguous strides
+        if strides is None:  # contiguous: torch's own strides
             fake = torch.empty(sizes, dtype=tensor.dtype, device=tensor.device)
         else:
-            strides = strides_over(sizes, inner_first, broadcast)
             fake = torch.empty_strided(sizes, strides, dtype=tensor.dtype, device=tensor.device)
     return fake.requires_grad_(True) if tensor.requires_grad else fake
 
 
-def dense_layout(tensor: torch.Tensor) -> tuple[list[int], frozenset[int]] | None:
-    """(``tensor``'s dimensions innermost first, its broadcast dimensions) when it is dense in some
-    dimension order, else None.
+def strides_like(tensor: torch.Tensor, sizes: list[Any]) -> list[Any] | None:
+    """``tensor``'s strides written over ``sizes`` (its sizes, some of them symbols); None when it is
+    contiguous (the fake takes torch's own contiguous strides).
 
-    Dense in an order (contiguous, transposed, channels-last): walking the dimensions from the
-    innermost (increasing stride; ties to the later dimension, as in a contiguous tensor), each has
-    the stride ∏ size[e] over the dimensions e inside it, which holds at every size
-    (:func:`strides_over`). A broadcast dimension (stride 0, size > 1) stays stride 0 at every
-    size. A size-1 dimension's stride means nothing to torch's layout tests and is not checked. Any
-    other stride (a slice of a wider tensor: (16, 1) for sizes (4, 8)) is no product of sizes: None.
-    An empty tensor is contiguous, whatever its strides."""
+    Walking the dimensions from the innermost (increasing stride; ties to the later dimension, as in
+    a contiguous tensor), a dimension whose stride is the product of the sizes inside it gets that
+    product over ``sizes``: a dense tensor in any dimension order (transposed, channels-last) keeps
+    its layout at every size of the symbols. A broadcast dimension (stride 0, size > 1) stays 0. A
+    stride that is no such product (a slice of a wider tensor: 16 for sizes (4, 8)) is the example's
+    own constant, and the dimensions outside it products over it: exact for this call; at another
+    size only the layout of the same wider tensor (the call key tells such calls apart by their
+    strides). A size-1 dimension's stride means nothing to torch's layout tests: the product. An
+    empty tensor is contiguous, whatever its strides."""
     shape, real = tuple(tensor.shape), tuple(tensor.stride())
-    if tensor.numel() == 0:
-        return list(reversed(range(len(shape)))), frozenset()
-    broadcast = frozenset(d for d in range(len(shape)) if real[d] == 0 and shape[d] != 1)
-    inner_first = sorted((d for d in range(len(shape)) if d not in broadcast), key=lambda d: (real[d], -d))
-    expected = 1
-    for d in inner_first:
+    if tensor.numel() == 0 or tensor.is_contiguous():
+        return None
+    strides: list[Any] = [0] * len(shape)
+    expected, product = 1, 1  # the stride a dense next dimension has: as an int, and over ``sizes``
+    for d in sorted((d for d in range(len(shape)) if real[d] != 0 or shape[d] == 1), key=lambda d: (real[d], -d)):
         if shape[d] != 1 and real[d] != expected:
-            return None
-        expected *= shape[d]
-    return inner_first, broadcast
-
-
-def strides_over(sizes: list[Any], inner_first: list[int], broadcast: frozenset[int]) -> list[Any]:
-    """The strides of a dense tensor of ``sizes`` (symbols or ints) laid out as ``inner_first``
-    (:func:`dense_layout`), with stride 0 for the ``broadcast`` dimensions."""
-    strides: list[Any] = [0] * len(sizes)
-    product: Any = 1
-    for d in inner_first:
-        strides[d], product = product, product * sizes[d]
+            expected, product = real[d], real[d]
+        strides[d] = product
+        expected, product = expected * shape[d], product * sizes[d]
     return strides
 
 
