@@ -108,7 +108,7 @@ class BlamingShapeEnv(ShapeEnv):
     def __init__(self) -> None:
         super().__init__(duck_shape=False, specialize_zero_one=False, should_record_events=False)
         self.decisions: dict[sympy.Basic, bool] = {}  # condition -> its truth at the example (a guard)
-        self.sizes: set[sympy.Symbol] = set()  # symbols of tensor sizes (never negative), for guards_of
+        self.sizes: set[sympy.Symbol] = set()  # symbols of sizes (never negative), for guards_of
 
     def decide(self, condition: sympy.Basic, default: bool) -> bool:
         """A condition torch would answer size-obliviously with ``default``: its truth at the example

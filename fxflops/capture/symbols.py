@@ -8,6 +8,7 @@ the public symbol of a name is a positive integer sympy symbol of that name (:fu
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Any
 
@@ -112,17 +113,23 @@ def strides_like(tensor: torch.Tensor, sizes: list[Any]) -> list[Any] | None:
 
 
 def symbolic_ints(env: BlamingShapeEnv, integers: dict[Path, int], env_syms: dict[str, sympy.Symbol]) -> dict[Path, Any]:
-    """A SymInt for every integer an argument object holds, named after its path (added to ``env_syms``)."""
-    return {path: named_symint(env, path_label(path), example, env_syms) for path, example in integers.items()}
+    """A SymInt for every integer an argument object holds, named after its path (added to ``env_syms``):
+    any integer, not a size (a negative value is possible)."""
+    return {path: named_symint(env, path_label(path), example, env_syms, size=False) for path, example in integers.items()}
 
 
-def named_symint(env: BlamingShapeEnv, name: str, example: int, env_syms: dict[str, sympy.Symbol]) -> torch.SymInt:
+def named_symint(
+    env: BlamingShapeEnv, name: str, example: int, env_syms: dict[str, sympy.Symbol], size: bool = True
+) -> torch.SymInt:
     """A SymInt of a new symbol ``name`` with the example value ``example`` as its hint (added to
-    ``env_syms``): an integer input's, or a derived size's (``capture/derived.py``)."""
+    ``env_syms``): a derived size's (``capture/derived.py``), a count never negative (``size``: in
+    :attr:`BlamingShapeEnv.sizes`), or an integer input's."""
     if name in env_syms:
         raise InputError(f"two sizes of the call are both named {name!r}")
     source = ConstantSource(name)
     sym = env.create_symbol(example, source, DimDynamic.DYNAMIC, positive=None, do_not_specialize_zero_one=True)
+    if size:
+        env.sizes.add(sym)
     env_syms[name] = sym
     return env.create_symintnode(sym, hint=example, source=source)
 
@@ -179,29 +186,40 @@ def in_public_symbols(env: BlamingShapeEnv, env_to_named: dict[sympy.Symbol, sym
 def guards_of(env: BlamingShapeEnv, env_to_named: dict[sympy.Symbol, sympy.Symbol]) -> list[Guard]:
     """The conditions the trace relied on, in the public symbols, each with the model line that made it.
 
-    A condition is dropped only when it holds for every value its symbols can take: a tensor size
-    any integer >= 0 (:attr:`BlamingShapeEnv.sizes`), any other symbol (an integer an argument object
-    holds, a derived size) any integer. Not for every *public* symbol: those are positive, and sympy
-    would call ``Ne(8*batch, 0)`` (the model's ``if x.numel() == 0``) or ``batch >= 1`` true and drop
-    the one guard that keeps a program traced at ``batch = 4`` from counting ``batch = 0``. The kept
-    condition is written in the public symbols unevaluated, for the same reason."""
+    A condition is dropped only when it holds for every value its symbols can take
+    (:func:`always_true`): not merely for every *public* symbol, which is positive, or sympy calls
+    ``Ne(8*batch, 0)`` (the model's ``if x.numel() == 0``) true and drops the one guard that keeps a
+    program traced at ``batch = 4`` from counting ``batch = 0``. The kept condition is written in the
+    public symbols unevaluated, for the same reason."""
     guards = []
     for guard in env.guards:
         expr = env.replace(sympy.sympify(guard.expr))
-        domains = _domains(env, expr)
-        expr = expr.xreplace(domains)  # evaluated under what is true of every value
-        if expr is sympy.true:
+        if always_true(expr, env.sizes):
             continue
         with sympy.evaluate(False):
-            public = expr.xreplace({domain: env_to_named.get(sym, sym) for sym, domain in domains.items()})
+            public = expr.xreplace({sym: env_to_named.get(sym, sym) for sym in expr.free_symbols})
         guards.append(Guard(public, format_location(guard.sloc.framework_loc)))
     return guards
 
 
-def _domains(env: BlamingShapeEnv, expr: sympy.Basic) -> dict[sympy.Symbol, sympy.Symbol]:
-    """For each free symbol of ``expr``, a symbol of its name that knows only what holds for every
-    value: an integer >= 0 for a tensor size, an integer for any other (see :func:`guards_of`)."""
-    return {
-        sym: sympy.Symbol(sym.name, integer=True, nonnegative=True) if sym in env.sizes else sympy.Symbol(sym.name, integer=True)
-        for sym in expr.free_symbols
-    }
+MAX_SPLIT_SIZES = 6  # sizes of one condition split into 0 / positive (2^k cases); more: kept as a guard
+
+
+def always_true(condition: sympy.Basic, sizes: set[sympy.Symbol]) -> bool:
+    """Whether ``condition`` holds for every value of its symbols: each size in ``sizes`` any integer
+    >= 0, any other symbol (an integer an argument object holds) any integer.
+
+    sympy decides a condition over positive integers well and over non-negative ones badly
+    (``(s > 0) | Eq(32*s, s)`` is true for every s >= 0, but not to sympy). So the sizes are split:
+    the condition must be true, as sympy evaluates it, with each subset of them 0 and the others
+    positive symbols. Sound (each case is sympy's proof over its domain, and the cases cover every
+    value); a condition with more than :data:`MAX_SPLIT_SIZES` sizes is kept."""
+    on_sizes = sorted(condition.free_symbols & sizes, key=str)
+    if len(on_sizes) > MAX_SPLIT_SIZES:
+        return False
+    others = {sym: sympy.Symbol(sym.name, integer=True) for sym in condition.free_symbols - sizes}
+    for zeros in itertools.product((False, True), repeat=len(on_sizes)):
+        case = {sym: sympy.Integer(0) if zero else sympy.Symbol(sym.name, integer=True, positive=True) for sym, zero in zip(on_sizes, zeros)}
+        if condition.xreplace({**others, **case}) is not sympy.true:
+            return False
+    return True
