@@ -190,16 +190,17 @@ def guards_of(env: BlamingShapeEnv, env_to_named: dict[sympy.Symbol, sympy.Symbo
     (:func:`always_true`): not merely for every *public* symbol, which is positive, or sympy calls
     ``Ne(8*batch, 0)`` (the model's ``if x.numel() == 0``) true and drops the one guard that keeps a
     program traced at ``batch = 4`` from counting ``batch = 0``. The kept condition is written in the
-    public symbols unevaluated, for the same reason."""
-    guards = []
+    public symbols unevaluated, for the same reason. A condition made again (by another line) is
+    kept once, with the first line that made it."""
+    guards: dict[sympy.Basic, Guard] = {}
     for guard in env.guards:
         expr = env.replace(sympy.sympify(guard.expr))
-        if always_true(expr, env.sizes):
+        if expr in guards or always_true(expr, env.sizes):
             continue
         with sympy.evaluate(False):
             public = expr.xreplace({sym: env_to_named.get(sym, sym) for sym in expr.free_symbols})
-        guards.append(Guard(public, format_location(guard.sloc.framework_loc)))
-    return guards
+        guards[expr] = Guard(public, format_location(guard.sloc.framework_loc))
+    return list(guards.values())
 
 
 MAX_SPLIT_SIZES = 6  # sizes of one condition split into 0 / positive (2^k cases); more: kept as a guard
