@@ -14,7 +14,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
-import torch.fx.experimental._config as fx_config
 import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -27,7 +26,7 @@ from fxflops.capture.outputs import loss_of, output_tensors
 from fxflops.capture.phases import run_backward, tagging_recompute
 from fxflops.capture.reuse import LayerCalledTwice
 from fxflops.capture.scope import patched
-from fxflops.capture.shape_env import format_location, is_library_file
+from fxflops.capture.shape_env import format_location, is_library_file, size_oblivious
 from fxflops.errors import CaptureError
 
 TENSOR = object()  # marks tensor leaves in a graph's recorded output structure
@@ -208,7 +207,7 @@ def trace_graph(
     run._orig_mod = model  # make_fx records nn_module_stack relative to this root
     try:
         phases = tagging_recompute() if backward else contextlib.nullcontext()
-        with fx_config.patch(backed_size_oblivious=True), no_stack_traces(), _layout_oblivious(), _access_paths_from_the_root(), \
+        with size_oblivious(), no_stack_traces(), _layout_oblivious(), _access_paths_from_the_root(), \
                 _attention_flags_as_bools(), _grouped_mm_any_float(), phases, user_tensors_read_only(mode), mode:
             gm = make_fx(
                 run, tracing_mode="symbolic", _allow_non_fake_inputs=True, record_module_stack=True

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from fxflops.errors import InputError
+from fxflops.errors import CaptureError, InputError
 
 Path = tuple[Any, ...]
 RESERVED_NAMES = frozenset({"phase", "depth"})
@@ -146,8 +146,10 @@ def resolve_dims(
     dimension index (negative allowed) to a symbol name. Unknown names and out-of-range dims raise
     :class:`InputError` listing what exists. Metadata inputs that ``dims`` does not mention (integer
     tensors of rank 1 or 2, such as ``cu_seqlens`` or ``image_grid_thw``) keep dim 0 free, named
-    ``<argument>_0``: it counts sequences or images, which must never be pinned.
+    ``<argument>_0``: it counts sequences or images, which must never be pinned. An input no fake
+    dense tensor can stand for is refused first (:func:`refuse_untraceable`).
     """
+    refuse_untraceable(tensors)
     if dims is None:
         return [
             DimSpec(f"{path_label(path)}_{d}", path, d)
@@ -177,6 +179,29 @@ def resolve_dims(
                 )
             specs.append(DimSpec(name, path, d % rank))
     return specs
+
+
+def refuse_untraceable(tensors: dict[Path, torch.Tensor]) -> None:
+    """Raise :class:`CaptureError` naming the first input a fake dense tensor cannot stand for: its
+    layout or a view bit changes which ops run and what they compute (a sparse input's ``to_dense()``,
+    a conjugate view's ``resolve_conj()``), and a fake has neither."""
+    for path, tensor in tensors.items():
+        reason = _untraceable(tensor)
+        if reason is not None:
+            raise CaptureError(f"input {path_label(path)!r} {reason}: fxflops traces dense strided tensors only")
+
+
+def _untraceable(tensor: torch.Tensor) -> str | None:
+    """What makes ``tensor`` a kind no fake dense tensor stands for, or None."""
+    if tensor.is_nested:
+        return "is a nested tensor"
+    if tensor.layout != torch.strided:
+        return f"has layout {tensor.layout}"
+    if tensor.is_conj():
+        return "is a conjugate view (conj bit set; resolve_conj() makes it plain)"
+    if tensor.is_neg():
+        return "is a negative view (neg bit set; resolve_neg() makes it plain)"
+    return None
 
 
 def is_metadata(tensor: torch.Tensor) -> bool:

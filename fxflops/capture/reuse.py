@@ -17,11 +17,18 @@ In the graph (``capture/markers.py`` has the marker ops)::
 
 - the same class, and the same parameters and buffers (names, shapes, dtypes, ``requires_grad``:
   a frozen layer is its own kind);
-- the same plain attributes (numbers, strings, flags) on the layer and every submodule: Gemma's
-  sliding and full attention layers, a checkpointed layer, a differently sized layer, a layer that
-  stores its own index are different kinds. Only a model family's adapter may name attributes to
-  ignore: transformers layers' ``layer_idx`` only indexes caches (every index-dependent choice in
-  transformers 5.x is made in ``__init__`` as an attribute or a submodule class);
+- the same submodule tree (paths and classes) and the same instance attributes on the layer and
+  every submodule, compared deeply (:func:`layer_attributes`): plain values by ``==``, containers
+  item by item, held objects (a config) by their attributes, plain tensor attributes by shape,
+  dtype, device and value (code may read them: ``range(int(self.n))``), modules held outside
+  ``_modules`` (a Python list of blocks) by the same structure, functions by code, defaults and
+  closure, hooks by their functions. Private attributes count too (``self._extra``). Gemma's sliding
+  and full attention layers, a checkpointed layer, a differently sized layer, a layer that stores its
+  own index are different kinds. Only a model family's adapter may name attributes to ignore:
+  transformers layers' ``layer_idx`` only indexes caches (every index-dependent choice in
+  transformers 5.x is made in ``__init__`` as an attribute or a submodule class). What cannot be
+  compared (an object without attributes, a tensor without data) is equal only to itself: when in
+  doubt a layer is traced, never billed as a copy;
 - the same call: the same argument structure and non-tensor values, floating tensors of the same
   dtype, ``requires_grad`` and symbolic shape, and integer/bool tensors (offsets, masks, positions)
   that are the very same tensors as the template's — Qwen2.5-VL's window and full attention blocks,
@@ -37,6 +44,9 @@ marker's backward (LLaVA's last CLIP layer, whose output the projector skips, ge
 from __future__ import annotations
 
 import contextlib
+import functools
+import hashlib
+import types
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,7 +56,14 @@ import torch.utils._pytree as pytree
 
 from fxflops.capture.markers import repeat_marker
 
-_PLAIN = (bool, int, float, str, type(None))
+_STRUCTURE = frozenset({"_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"})  # compared as state and tree
+_HOOK_FLAGS = {  # a hook registry -> the registries flagging how each of its hooks is called
+    "_forward_hooks": ("_forward_hooks_with_kwargs", "_forward_hooks_always_called"),
+    "_forward_pre_hooks": ("_forward_pre_hooks_with_kwargs",),
+}
+_FLAGS = frozenset(flag for flags in _HOOK_FLAGS.values() for flag in flags)
+_OWN_PACKAGE = __name__.split(".")[0] + "."
+_MAX_DEPTH = 12  # object nesting compared below a module attribute; deeper values equal only themselves
 
 
 @dataclass
@@ -56,16 +73,103 @@ class Reuse:
     templates: dict[str, str] = field(default_factory=dict)
 
 
-def layer_attributes(module: torch.nn.Module, ignored: frozenset[str]) -> tuple:
-    """The plain attributes of ``module`` and its submodules, except those named in ``ignored``."""
+def layer_attributes(module: torch.nn.Module, ignored: frozenset[str], seen: tuple[int, ...] = ()) -> tuple:
+    """A hashable key of everything ``module`` and its submodules hold that their parameters and
+    buffers (:func:`layer_state`) do not: every submodule's path and class, and every instance
+    attribute except those named in ``ignored`` and torch's own bookkeeping of parameters, buffers
+    and children; hooks by their functions (a hook's handle id differs between equal layers). Two
+    layers with equal keys run the same code on the same values (module docstring). ``seen``: the
+    ids of the objects being keyed above this one (a reference back to one of them is a cycle)."""
+    seen = (*seen, id(module))
     found = []
     for path, sub in module.named_modules():
-        for name, value in sorted(vars(sub).items()):
-            if name.startswith("_") or name in ignored:
-                continue
-            if isinstance(value, _PLAIN) or (isinstance(value, tuple) and all(isinstance(v, _PLAIN) for v in value)):
-                found.append((path, name, value))
+        inner = seen if sub is module else (*seen, id(sub))
+        state = vars(sub)
+        attributes = tuple(
+            (name, _hooks_key(state, name, inner) if name in _HOOK_FLAGS else _key(value, inner))
+            for name, value in sorted(state.items())
+            if name not in ignored and name not in _STRUCTURE and name not in _FLAGS
+        )
+        found.append((path, type(sub), attributes))
     return tuple(found)
+
+
+def _hooks_key(state: dict[str, Any], name: str, seen: tuple[int, ...]) -> tuple:
+    """The hooks of registry ``name`` in order, each with the flags saying how it is called."""
+    flags = [state.get(flag, {}) for flag in _HOOK_FLAGS[name]]
+    return tuple((_key(hook, seen), *(handle in flag for flag in flags)) for handle, hook in state[name].items())
+
+
+def _key(value: Any, seen: tuple[int, ...]) -> Any:
+    """A hashable key of ``value`` that is equal for two values only when code reading them cannot
+    tell them apart (their own type, same contents); ``seen`` as for :func:`layer_attributes`.
+    Scalars and other hashable values without attributes (dtypes, enums, sentinels) key as
+    themselves: ``==`` for values, identity for objects."""
+    if id(value) in seen:
+        return ("cycle", len(seen) - seen.index(id(value)))
+    if len(seen) > _MAX_DEPTH:
+        return ("object", id(value))
+    inner = (*seen, id(value))
+    if isinstance(value, torch.Tensor):
+        return _tensor_key(value)
+    if isinstance(value, torch.nn.Module):
+        return ("module", type(value), layer_state(value), layer_attributes(value, frozenset(), seen))
+    if isinstance(value, (list, tuple)):
+        return (type(value), tuple(_key(item, inner) for item in value))
+    if isinstance(value, dict):
+        return (type(value), tuple((_key(k, inner), _key(v, inner)) for k, v in value.items()))
+    if isinstance(value, (set, frozenset)):
+        return (type(value), frozenset(_key(item, inner) for item in value))
+    if isinstance(value, types.FunctionType):
+        return _function_key(value, inner)
+    if isinstance(value, types.MethodType):
+        return ("method", _key(value.__func__, inner), _key(value.__self__, inner))
+    if isinstance(value, functools.partial):
+        return ("partial", _key(value.func, inner), _key(value.args, inner), _key(value.keywords, inner))
+    state = getattr(value, "__dict__", None)
+    if isinstance(state, dict) and not isinstance(value, type):  # a held object: its class and attributes
+        return ("object", type(value), _key(state, inner))
+    try:
+        hash(value)
+    except TypeError:
+        return ("object", id(value))
+    return (type(value), value)
+
+
+def _function_key(function: types.FunctionType, seen: tuple[int, ...]) -> tuple:
+    """A function by its code, globals, defaults and closure: two lambdas made alike in two layers'
+    ``__init__`` are equal, ``once`` and ``twice`` are not. fxflops' own functions (the capture's
+    stand-ins installed on lifted modules) by their code alone: they are installed alike on every
+    module of a kind, each closing over its own module."""
+    if (function.__module__ or "").startswith(_OWN_PACKAGE) and not function.__module__.startswith(_OWN_PACKAGE + "models"):
+        return ("function", function.__code__)
+    cells = tuple(_cell_contents(cell) for cell in function.__closure__ or ())
+    return (
+        "function", function.__code__, id(function.__globals__),
+        _key((function.__defaults__, function.__kwdefaults__, cells), seen),
+    )
+
+
+def _cell_contents(cell: types.CellType) -> Any:
+    try:
+        return cell.cell_contents
+    except ValueError:  # an empty cell
+        return _EMPTY
+
+
+_EMPTY = object()
+
+
+def _tensor_key(tensor: torch.Tensor) -> tuple:
+    """A plain tensor attribute by its metadata and a digest of its values: code may read them
+    (``range(int(self.n))``). A tensor whose values cannot be read here (meta, fake, sparse, a
+    subclass) is equal only to itself."""
+    meta = (type(tensor), tuple(tensor.shape), tensor.dtype, tensor.device, tensor.layout, tensor.requires_grad)
+    try:
+        data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    except Exception:  # noqa: BLE001 - unreadable values: identity
+        return ("tensor", *meta, id(tensor))
+    return ("tensor", *meta, hashlib.sha256(data).digest())
 
 
 def layer_state(module: torch.nn.Module) -> tuple:

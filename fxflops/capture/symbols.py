@@ -8,6 +8,7 @@ the public symbol of a name is a positive integer sympy symbol of that name (:fu
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,6 +55,7 @@ def symbolic_inputs(
             sym = env.create_symbol(
                 example, source, DimDynamic.DYNAMIC, positive=None, do_not_specialize_zero_one=True
             )
+            env.sizes.add(sym)
             by_name[spec.name] = (env.create_symintnode(sym, hint=example, source=source), example)
         symint, first = by_name[spec.name]
         if example != first:
@@ -65,26 +67,69 @@ def symbolic_inputs(
     fakes = {}
     with mode:
         for path, tensor in tensors.items():
-            fake = torch.empty(sizes[path], dtype=tensor.dtype, device=tensor.device)
-            if tensor.requires_grad:
-                fake.requires_grad_(True)
-            fakes[path] = fake
+            fakes[path] = fake_like(tensor, sizes[path])
     env_syms = {name: symint.node.expr for name, (symint, _) in by_name.items()}
     return fakes, env_syms
 
 
+def fake_like(tensor: torch.Tensor, sizes: list[Any]) -> torch.Tensor:
+    """A tensor (a fake, in the caller's mode) of ``sizes`` that answers every question a model may
+    ask of ``tensor`` as ``tensor`` does: dtype, device, ``requires_grad``, inference mode, and its
+    memory layout (:func:`strides_like`: ``is_contiguous()``, ``stride()``, channels-last). Kinds of
+    tensor no such fake stands for are refused before (``inputs.refuse_untraceable``)."""
+    strides = strides_like(tensor, sizes)
+    with torch.inference_mode(tensor.is_inference()):
+        if strides is None:  # contiguous: torch's own strides
+            fake = torch.empty(sizes, dtype=tensor.dtype, device=tensor.device)
+        else:
+            fake = torch.empty_strided(sizes, strides, dtype=tensor.dtype, device=tensor.device)
+    return fake.requires_grad_(True) if tensor.requires_grad else fake
+
+
+def strides_like(tensor: torch.Tensor, sizes: list[Any]) -> list[Any] | None:
+    """``tensor``'s strides written over ``sizes`` (its sizes, some of them symbols); None when it is
+    contiguous (the fake takes torch's own contiguous strides).
+
+    Walking the dimensions from the innermost (increasing stride; ties to the later dimension, as in
+    a contiguous tensor), a dimension whose stride is the product of the sizes inside it gets that
+    product over ``sizes``: a dense tensor in any dimension order (transposed, channels-last) keeps
+    its layout at every size of the symbols. A broadcast dimension (stride 0, size > 1) stays 0. A
+    stride that is no such product (a slice of a wider tensor: 16 for sizes (4, 8)) is the example's
+    own constant, and the dimensions outside it products over it: exact for this call; at another
+    size only the layout of the same wider tensor (the call key tells such calls apart by their
+    strides). A size-1 dimension's stride means nothing to torch's layout tests: the product. An
+    empty tensor is contiguous, whatever its strides."""
+    shape, real = tuple(tensor.shape), tuple(tensor.stride())
+    if tensor.numel() == 0 or tensor.is_contiguous():
+        return None
+    strides: list[Any] = [0] * len(shape)
+    expected, product = 1, 1  # the stride a dense next dimension has: as an int, and over ``sizes``
+    for d in sorted((d for d in range(len(shape)) if real[d] != 0 or shape[d] == 1), key=lambda d: (real[d], -d)):
+        if shape[d] != 1 and real[d] != expected:
+            expected, product = real[d], real[d]
+        strides[d] = product
+        expected, product = expected * shape[d], product * sizes[d]
+    return strides
+
+
 def symbolic_ints(env: BlamingShapeEnv, integers: dict[Path, int], env_syms: dict[str, sympy.Symbol]) -> dict[Path, Any]:
-    """A SymInt for every integer an argument object holds, named after its path (added to ``env_syms``)."""
-    return {path: named_symint(env, path_label(path), example, env_syms) for path, example in integers.items()}
+    """A SymInt for every integer an argument object holds, named after its path (added to ``env_syms``):
+    any integer, not a size (a negative value is possible)."""
+    return {path: named_symint(env, path_label(path), example, env_syms, size=False) for path, example in integers.items()}
 
 
-def named_symint(env: BlamingShapeEnv, name: str, example: int, env_syms: dict[str, sympy.Symbol]) -> torch.SymInt:
+def named_symint(
+    env: BlamingShapeEnv, name: str, example: int, env_syms: dict[str, sympy.Symbol], size: bool = True
+) -> torch.SymInt:
     """A SymInt of a new symbol ``name`` with the example value ``example`` as its hint (added to
-    ``env_syms``): an integer input's, or a derived size's (``capture/derived.py``)."""
+    ``env_syms``): a derived size's (``capture/derived.py``), a count never negative (``size``: in
+    :attr:`BlamingShapeEnv.sizes`), or an integer input's."""
     if name in env_syms:
         raise InputError(f"two sizes of the call are both named {name!r}")
     source = ConstantSource(name)
     sym = env.create_symbol(example, source, DimDynamic.DYNAMIC, positive=None, do_not_specialize_zero_one=True)
+    if size:
+        env.sizes.add(sym)
     env_syms[name] = sym
     return env.create_symintnode(sym, hint=example, source=source)
 
@@ -139,10 +184,43 @@ def in_public_symbols(env: BlamingShapeEnv, env_to_named: dict[sympy.Symbol, sym
 
 
 def guards_of(env: BlamingShapeEnv, env_to_named: dict[sympy.Symbol, sympy.Symbol]) -> list[Guard]:
-    """The conditions the trace relied on, in the public symbols, each with the model line that made it."""
-    guards = []
+    """The conditions the trace relied on, in the public symbols, each with the model line that made it.
+
+    A condition is dropped only when it holds for every value its symbols can take
+    (:func:`always_true`): not merely for every *public* symbol, which is positive, or sympy calls
+    ``Ne(8*batch, 0)`` (the model's ``if x.numel() == 0``) true and drops the one guard that keeps a
+    program traced at ``batch = 4`` from counting ``batch = 0``. The kept condition is written in the
+    public symbols unevaluated, for the same reason. A condition made again (by another line) is
+    kept once, with the first line that made it."""
+    guards: dict[sympy.Basic, Guard] = {}
     for guard in env.guards:
-        expr = in_public_symbols(env, env_to_named, guard.expr)
-        if expr is not sympy.true:
-            guards.append(Guard(expr, format_location(guard.sloc.framework_loc)))
-    return guards
+        expr = env.replace(sympy.sympify(guard.expr))
+        if expr in guards or always_true(expr, env.sizes):
+            continue
+        with sympy.evaluate(False):
+            public = expr.xreplace({sym: env_to_named.get(sym, sym) for sym in expr.free_symbols})
+        guards[expr] = Guard(public, format_location(guard.sloc.framework_loc))
+    return list(guards.values())
+
+
+MAX_SPLIT_SIZES = 6  # sizes of one condition split into 0 / positive (2^k cases); more: kept as a guard
+
+
+def always_true(condition: sympy.Basic, sizes: set[sympy.Symbol]) -> bool:
+    """Whether ``condition`` holds for every value of its symbols: each size in ``sizes`` any integer
+    >= 0, any other symbol (an integer an argument object holds) any integer.
+
+    sympy decides a condition over positive integers well and over non-negative ones badly
+    (``(s > 0) | Eq(32*s, s)`` is true for every s >= 0, but not to sympy). So the sizes are split:
+    the condition must be true, as sympy evaluates it, with each subset of them 0 and the others
+    positive symbols. Sound (each case is sympy's proof over its domain, and the cases cover every
+    value); a condition with more than :data:`MAX_SPLIT_SIZES` sizes is kept."""
+    on_sizes = sorted(condition.free_symbols & sizes, key=str)
+    if len(on_sizes) > MAX_SPLIT_SIZES:
+        return False
+    others = {sym: sympy.Symbol(sym.name, integer=True) for sym in condition.free_symbols - sizes}
+    for zeros in itertools.product((False, True), repeat=len(on_sizes)):
+        case = {sym: sympy.Integer(0) if zero else sympy.Symbol(sym.name, integer=True, positive=True) for sym, zero in zip(on_sizes, zeros)}
+        if condition.xreplace({**others, **case}) is not sympy.true:
+            return False
+    return True
