@@ -2,7 +2,7 @@
 situation, ``fxflops/situation.py``), and the fast test that a call has a key seen before.
 
 :func:`argument_key` describes one argument as a hashable value: each tensor's type, dtype, device,
-``requires_grad`` and rank; the value of every Python scalar, string, enum, dtype or device;
+``requires_grad``, rank and layout (:func:`layout_key`); the value of every Python scalar, string, enum, dtype or device;
 containers by structure; other objects (a cache, a config passed in) by type and contents, their
 tensors as inputs (without sizes: those are symbols the binder reads, so one decode program serves
 every length of a key-value cache); functions and modules by identity. :class:`CallKeys` keys a
@@ -57,7 +57,7 @@ def _key(value: Any, shapes: bool, held: list[int] | None) -> Any:
     """``held``: None outside argument objects' inputs, else [values left, object depth]."""
     kind = type(value)
     if kind is torch.Tensor or isinstance(value, torch.Tensor):
-        key = (kind, value.dtype, value.device, value.requires_grad, value.dim())
+        key = (kind, value.dtype, value.device, value.requires_grad, value.dim(), layout_key(value))
         return key + (tuple(value.shape),) if shapes else key
     if kind in _EXACT_SCALARS or isinstance(value, SCALARS):
         if kind is int and held is not None and held[1] and not shapes:  # an object's integer: a symbol (capture/inputs.py)
@@ -81,7 +81,7 @@ def _key(value: Any, shapes: bool, held: list[int] | None) -> Any:
     for name, v in state.items():  # the common values inline (a cache holds many): as _key keys them
         t = type(v)
         if t is torch.Tensor and not deep:
-            items.append((name, (t, v.dtype, v.device, v.requires_grad, v.dim())))
+            items.append((name, (t, v.dtype, v.device, v.requires_grad, v.dim(), layout_key(v))))
         elif t is int and not deep:
             items.append((name, _HELD_INT))
         elif t is bool or t is type(None):
@@ -90,6 +90,40 @@ def _key(value: Any, shapes: bool, held: list[int] | None) -> Any:
             items.append((name, _key(v, deep, held)))
     held[1] -= 1
     return (kind, "object", tuple(items))
+
+
+def layout_key(tensor: torch.Tensor) -> Any:
+    """What a trace reads of a tensor besides dtype, device and sizes: None for a plain strided
+    contiguous tensor (the common case), else its layout (sparse), the conj/neg/inference bits, whether
+    it is a non-leaf requiring grad, and for a non-contiguous one the order of its dims in memory
+    (transposed, channels-last) and whether it has gaps (a slice): the trace fakes it in that layout,
+    and model code may branch on ``is_contiguous()``. Exact strides are not part of it (a slice of a
+    growing mask would be another key at every length)."""
+    if tensor.layout is not torch.strided:
+        return (str(tensor.layout),)
+    bits = (tensor.is_conj(), tensor.is_neg(), tensor.is_inference(), tensor.requires_grad and not tensor.is_leaf)
+    if tensor.is_contiguous():
+        return bits if any(bits) else None
+    strides = tensor.stride()
+    order = tuple(sorted(range(tensor.dim()), key=lambda d: (-strides[d], d)))
+    dense = tensor.numel() == 0 or sum((size - 1) * stride for size, stride in zip(tensor.shape, strides)) + 1 == tensor.numel()
+    return bits + (order, dense)
+
+
+def described_layout(key: Any) -> str:
+    """A :func:`layout_key` in words, for an error naming the difference."""
+    if key is None:
+        return "contiguous"
+    if len(key) == 1:
+        return key[0]
+    names = ("a conjugate view", "a negative view", "an inference tensor", "a non-leaf requiring grad")
+    words = [name for name, bit in zip(names, key[:4]) if bit]
+    if len(key) > 4:
+        order, dense = key[4], key[5]
+        words.append(f"non-contiguous, dims in memory order {order}" + ("" if dense else " and not dense (a slice, a broadcast)"))
+    else:
+        words.append("contiguous")
+    return ", ".join(words)
 
 
 _ARRAY_BYTES = 1 << 16  # a numpy array argument keyed by its contents up to this size
@@ -259,6 +293,16 @@ class _Tests:
                 other_type, f"{x}.dtype is not {self._constant(value.dtype)}", self._other_device(x, value.device),
                 f"{x}.requires_grad is not {value.requires_grad}", f"{x}.dim() != {value.dim()}",
             ]
+            layout = layout_key(value)
+            if layout is None:  # the common case, inline: strided, contiguous, no conj/neg bit, not an inference tensor
+                self.scope["_strided"] = torch.strided
+                failing.append(
+                    f"{x}.layout is not _strided or not {x}.is_contiguous() or {x}.is_conj() or {x}.is_neg() "
+                    f"or {x}.is_inference() or ({x}.requires_grad and not {x}.is_leaf)"
+                )
+            else:
+                self.scope["_layout"] = layout_key
+                failing.append(f"_layout({x}) != {self._constant(layout)}")
             if shapes:
                 failing.append(f"{x}.shape != {self._constant(value.shape)}")
             self._fail_if(" or ".join(failing))

@@ -43,7 +43,7 @@ import torch
 import torch.nn.utils.stateless
 
 from fxflops.analysis.paths import inside, moved
-from fxflops.call_keys import SCALARS, value_key
+from fxflops.call_keys import SCALARS, described_layout, value_key
 from fxflops.capture.reads import Reads
 from fxflops.errors import InputError
 from fxflops.situation_code import CodeRead, code_reads, copied, plain
@@ -122,7 +122,8 @@ def _described(key: Any) -> str:
         return "absent"
     kind = key[0]
     if isinstance(kind, type) and issubclass(kind, torch.Tensor):
-        return f"a {kind.__name__} ({key[1]}, {key[2]}, requires_grad={key[3]}, rank {key[4]})"
+        layout = "" if len(key) < 6 else f", {described_layout(key[5])}"
+        return f"a {kind.__name__} ({key[1]}, {key[2]}, requires_grad={key[3]}, rank {key[4]}{layout})"
     if kind is type(None):
         return "None"
     if len(key) == 2 and isinstance(kind, type) and issubclass(kind, SCALARS):

@@ -601,3 +601,50 @@ def test_a_capture_leaves_the_global_random_streams_as_they_were():
     _quietly(_step, wrapper, torch.randn(4, 8, requires_grad=True), True)
     assert (random.getstate(), np.random.get_state()[1].tobytes()) == before
     assert wrapper.captures == 1 and wrapper.measured == {}
+
+
+_TRACED_MODULES: queue.SimpleQueue = queue.SimpleQueue()  # the modules a replaced forward ran on while traced (a list would be put back after the capture)
+
+
+def _forward_replaced(module: nn.Linear, style: str) -> None:
+    """``module.forward`` replaced on the instance by a wrapper of its own forward, as accelerate's
+    hooks and hand-written patches do: a ``functools.partial`` over the module, a closure over it, a
+    default argument holding it. The wrapper adds two matmuls with the module's weight."""
+    original = module.forward
+
+    def wrapped(mod, x):
+        if not isinstance(x.shape[0], int):  # inside the capture's trace
+            _TRACED_MODULES.put(mod)
+        return original(x) @ mod.weight @ mod.weight.T
+
+    if style == "partial":
+        module.forward = functools.partial(wrapped, module)
+    elif style == "closure":
+        module.forward = lambda x: wrapped(module, x)
+    else:
+        module.forward = lambda x, mod=module: wrapped(mod, x)
+
+
+@pytest.mark.parametrize("style", ["partial", "closure", "default"])
+def test_a_forward_replaced_on_the_instance_runs_on_the_twin(style):
+    """The capture's twin holds the replaced forward made again over its own copy of the module:
+    the trace runs the copy (fake weights, the copy's path in the breakdown), and the user's module
+    keeps its own forward and weights. Counts equal FlopCounterMode's for every batch size."""
+    model = MLP()
+    for layer in (model.fc1, model.fc2):
+        _forward_replaced(layer, style)
+    kept = {name: getattr(model, name).forward for name in ("fc1", "fc2")}
+    weights = {name: p.detach().clone() for name, p in model.named_parameters()}
+    wrapper = fxflops.instrument(model, backward=True)
+    while not _TRACED_MODULES.empty():
+        _TRACED_MODULES.get()
+    for batch in (4, 7, 2):
+        x = torch.randn(batch, 8, requires_grad=True)
+        wrapper.flops.reset()
+        wrapper(x).sum().backward()
+        assert wrapper.flops.total() == flop_counter_call(model, (x,), {}, backward=True), batch
+        assert wrapper.flops.uncounted == 0 and wrapper.captures == 1
+    traced = [_TRACED_MODULES.get() for _ in range(_TRACED_MODULES.qsize())]
+    assert len(traced) == 2 and not any(m is model.fc1 or m is model.fc2 for m in traced)
+    assert {name: getattr(model, name).forward for name in ("fc1", "fc2")} == kept
+    assert all(torch.equal(p, weights[name]) for name, p in model.named_parameters())

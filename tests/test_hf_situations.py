@@ -172,3 +172,19 @@ def test_a_vision_setting_changed_between_calls_derives_its_metadata_again():
         with torch.no_grad():
             assert counted(wrapper, batch, False) == flop_counter_total(model, batch, False), window
             assert torch.allclose(wrapper(**batch).logits, model(**batch).logits), window
+
+
+@pytest.mark.parametrize("where", ["model.visual", ""])
+def test_accelerate_hooks_on_a_module_trace_that_module(where):
+    """accelerate's hooks (what ``device_map`` and offloading install) replace a module's forward by
+    ``partial(new_forward, module)``: the capture's twin runs the partial over its own copy of the
+    module, so the per-image attention stand-ins apply (the real module kept in the partial made
+    multi-image calls count attention over all images' patches at once)."""
+    hooks = pytest.importorskip("accelerate.hooks")
+    model = hf_zoo.build("qwen2_vl", "eager")
+    hooks.add_hook_to_module(model.get_submodule(where), hooks.ModelHook())
+    wrapper = fxflops.instrument(model, backward=True)
+    rng = random.Random(11)
+    for images in (3, 1, 5):
+        batch = hf_zoo.random_batch("qwen2_vl", rng, images=images)
+        assert counted(wrapper, batch, True) == flop_counter_total(model, batch, True), (where, images)

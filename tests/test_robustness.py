@@ -382,19 +382,24 @@ class _Settings:
     length: int = 0
 
 
+_WHILE_TRACED: list = []  # what _WritesWhileTraced calls while traced: outside the model, so it sees the user's model
+
+
 class _WritesWhileTraced(nn.Module):
     """Writes to itself and to the config it holds in forward; while traced (symbolic sizes), it lets
-    ``inspect`` look at the model from another thread at that very moment."""
+    the function in ``_WHILE_TRACED`` look at the model from another thread at that very moment (a
+    function the model held would be the twin's: a closure over the model's modules is rebound to
+    their copies, capture/isolation.py)."""
 
-    def __init__(self, inspect) -> None:
+    def __init__(self) -> None:
         super().__init__()
-        self.config, self.proj, self.inspect = _Settings(), nn.Linear(4, 4), inspect
+        self.config, self.proj = _Settings(), nn.Linear(4, 4)
 
     def forward(self, x):
         self.config.length = x.shape[0]
         self.last_input = x
         if not isinstance(x.shape[0], int):  # inside a capture's trace
-            self.inspect()
+            _WHILE_TRACED[0]()
         return self.proj(x)
 
 
@@ -420,11 +425,15 @@ def test_while_a_capture_traces_the_users_model_and_config_are_untouched():
         worker.start()
         worker.join(timeout=10)
 
-    model = _WritesWhileTraced(inspect)
+    model = _WritesWhileTraced()
     real_weight = model.proj.weight
     wrapper = fxflops.instrument(model, strict=True)
     x = torch.randn(6, 4)
-    assert torch.equal(wrapper(x), model.proj(x))
+    _WHILE_TRACED[:] = [inspect]
+    try:
+        assert torch.equal(wrapper(x), model.proj(x))
+    finally:
+        _WHILE_TRACED.clear()
     assert list(seen.queue) == ["fake weight: False", "weight is the parameter: True", "config length: 0", "last input kept: False"]
     assert wrapper.flops.total() == 2 * 6 * 4 * 4
 

@@ -236,6 +236,8 @@ def _owned(value: Any, copies: dict[int, Any]) -> Any:
         return copies[id(value)]
     if isinstance(value, types.MethodType) and id(value.__self__) in copies:
         return types.MethodType(value.__func__, copies[id(value.__self__)])
+    if isinstance(value, (functools.partial, types.FunctionType)):
+        return _rebound(value, copies)
     if type(value) is tuple:
         return tuple(copies.get(id(item), item) for item in value)
     if not isinstance(value, _CONTAINERS):
@@ -249,6 +251,38 @@ def _owned(value: Any, copies: dict[int, Any]) -> Any:
     elif isinstance(own, list):
         own[:] = [copies.get(id(item), item) for item in value]
     return own
+
+
+def _rebound(function: Any, copies: dict[int, Any]) -> Any:
+    """A ``functools.partial`` or a function a module holds, made again over the copies of the objects
+    it holds (in its closure cells or default arguments) (accelerate's hooks set ``module.forward = partial(new_forward, module)``: kept as it is,
+    the twin's forward would run the user's module, not the twin): the same function otherwise."""
+    if isinstance(function, functools.partial):
+        parts = [function.func, *function.args, *function.keywords.values()]
+        if not any(id(p) in copies or isinstance(p, (types.MethodType, functools.partial)) for p in parts):
+            return function
+        keywords = {k: _owned(v, copies) for k, v in function.keywords.items()}
+        made = functools.partial(_owned(function.func, copies), *(_owned(a, copies) for a in function.args), **keywords)
+    else:
+        cells = function.__closure__ or ()
+        defaults, kwdefaults = function.__defaults__ or (), function.__kwdefaults__ or {}
+        if not any(_cell_holds_copied(cell, copies) for cell in cells) and not any(
+            id(v) in copies for v in (*defaults, *kwdefaults.values())
+        ):
+            return function
+        closure = tuple(types.CellType(_owned(cell.cell_contents, copies)) if _cell_holds_copied(cell, copies) else cell for cell in cells)
+        own_defaults = tuple(copies.get(id(v), v) for v in defaults) if function.__defaults__ is not None else None
+        made = types.FunctionType(function.__code__, function.__globals__, function.__name__, own_defaults, closure)
+        made.__kwdefaults__ = {k: copies.get(id(v), v) for k, v in kwdefaults.items()} if function.__kwdefaults__ is not None else None
+    vars(made).update({k: _owned(v, copies) for k, v in vars(function).items()})  # functools.wraps' attributes
+    return made
+
+
+def _cell_holds_copied(cell: Any, copies: dict[int, Any]) -> bool:
+    try:
+        return id(cell.cell_contents) in copies
+    except ValueError:  # an empty cell
+        return False
 
 
 _PLAIN = (torch.Tensor, bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device, torch.Size, type)
