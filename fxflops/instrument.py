@@ -459,10 +459,10 @@ class Instrumented(torch.nn.Module):
             if self.programs and self.on_miss == "raise":
                 raise GuardError(f"{name}: {miss}")
             if len(self.programs) >= self.max_programs:
-                raise GuardError(
-                    f"{name}: {miss}; already {len(self.programs)} programs (max_programs={self.max_programs}), "
-                    "not capturing another"
-                )
+                reason = f"{name}: {miss}; already {len(self.programs)} programs (max_programs={self.max_programs}), not capturing another"
+                if not self.measure:
+                    raise GuardError(reason)
+                return self._measured_whole(branch, sizes, reason), None
             if refused is not None:
                 raise CaptureError(refused.reason, module=refused.module)
             try:
@@ -543,6 +543,21 @@ class Instrumented(torch.nn.Module):
         if self.routing is not None:
             self.routing.watch(program.experts)
         return program
+
+    def _measured_whole(self, branch: _Branch, sizes: tuple, reason: str) -> Spine:
+        """The calls of a situation that gets no program of its own, measured whole: exact at every
+        size, slower than a program (each op priced as it runs). Said once per wrapper."""
+        spine = Spine.whole(self.traced, reason)
+        branch.refusals.append(_Refusal(sizes, None, reason, "", spine))
+        if "max_programs" not in self._warned:
+            self._warned.add("max_programs")
+            warn(
+                f"fxflops: {reason}: calls of this situation and later new ones are measured op by op (exact, slower); "
+                "a Python argument that changes every call (a length, a count) makes a new situation each time: "
+                "pass it as a tensor, or raise max_programs",
+                stacklevel=5,
+            )
+        return spine
 
     def _refused_state(self, exc: Exception) -> ModelState | None:
         """The model state a failed capture read up to its failure (``capture()`` attaches its reads):
@@ -648,7 +663,9 @@ def instrument(
     measures the FLOPs its dispatch really computed (``fxflops/routing.py``), which the ``moe="actual"``
     convention reports; without it only ``moe="model"`` (top_k × tokens) is available.
 
-    ``max_programs`` bounds the programs (situations and guard branches) captured per wrapper.
+    ``max_programs`` bounds the programs (situations and guard branches) captured per wrapper; a call
+    that would need another is measured whole, op by op (exact, slower; with ``measure=False`` it is
+    refused as uncounted).
     ``rules`` as for :func:`fxflops.trace`: per-use FLOPs rules, for every capture of this wrapper (and
     its routing measurements), the global registry untouched.
 

@@ -256,6 +256,14 @@ class Spine:
         self.__dict__.update(state)
         self.prices = Prices()
 
+    @classmethod
+    def whole(cls, model: torch.nn.Module, reason: str) -> Spine:
+        """A spine measuring every module's own code (no child is captured): for a situation that gets
+        no program of its own (the wrapper has captured ``max_programs``)."""
+        spine = cls("", reason)
+        spine.paths.update(path for path, _ in model.named_modules())
+        return spine
+
     def add(self, failing: str, reason: str) -> None:
         self.paths.update(ancestors(failing))
         self.reasons[failing] = reason

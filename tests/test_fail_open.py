@@ -13,6 +13,9 @@
   an output holding a generator, whose tensors cannot be seen, is refused in training, never
   counted as a forward alone.
 - ``report(peak_flops=0)`` has no MFU instead of dividing by zero.
+- A Python argument that changes on every call (a packing collator's ``max_length``) makes a new
+  situation each time: once ``max_programs`` are captured, further ones are measured whole, exactly,
+  with one warning, instead of going uncounted (``measure=False``: uncounted, said).
 
 Every count is compared with FlopCounterMode on the same call (``reference.flop_counter_call``).
 """
@@ -197,3 +200,46 @@ def test_a_report_with_peak_zero_has_no_mfu():
     report = wrapper.flops.report(elapsed_s=1.0, peak_flops=0)
     assert report.mfu is None and report.hfu is None
     assert "no MFU" in str(report)
+
+
+class Truncating(nn.Module):
+    """Its Python argument ``keep`` changes which rows are computed: every value is its own situation."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.head = nn.Linear(8, 16), nn.Linear(16, 4)
+
+    def forward(self, x, keep: int):
+        return self.head(torch.relu(self.fc(x[:, :keep].transpose(1, 2).contiguous().transpose(1, 2))))
+
+
+@pytest.mark.parametrize("backward", [False, True])
+def test_past_max_programs_new_situations_are_measured_whole_and_exact(backward):
+    model = Truncating()
+    wrapper = fxflops.instrument(model, backward=backward, max_programs=2)
+    calls = [(3, 5), (2, 7), (4, 2), (3, 6), (2, 7), (5, 1)]  # (batch, keep): the last four are past the bound
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for batch, keep in calls:
+            x = torch.randn(batch, 9, 8, requires_grad=backward)
+            wrapper.flops.reset()
+            out = wrapper(x, keep)
+            if backward:
+                out.sum().backward()
+            assert wrapper.flops.total() == flop_counter_call(model, (x, keep), {}, backward=backward), (batch, keep)
+            assert wrapper.flops.uncounted == 0
+    assert wrapper.captures == 2
+    said = [str(w.message) for w in caught if "max_programs" in str(w.message)]
+    assert len(said) == 1 and "measured op by op" in said[0] and "keep" in said[0]
+
+
+def test_past_max_programs_without_measuring_a_call_is_uncounted_and_said():
+    model = Truncating()
+    wrapper = fxflops.instrument(model, max_programs=1, measure=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for keep in (5, 6):
+            wrapper.flops.reset()
+            wrapper(torch.randn(2, 9, 8), keep)
+    assert wrapper.flops.total() == 0 and wrapper.flops.uncounted == 1 and wrapper.captures == 1
+    assert any("max_programs=1" in str(w.message) for w in caught)
