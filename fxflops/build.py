@@ -80,7 +80,10 @@ def trace(
     the model's code pins it, named ``<argument>_<dim>``; where the example's size-1 dims must broadcast
     (a ``(4, 1)`` bias, a ``(b, 1, 1, s)`` mask) they stay 1 (a call with another size there is
     another program). With explicit ``dims``, a symbol the code pins raises
-    :class:`PinnedSymbolError` naming the line.
+    :class:`PinnedSymbolError` naming the line. A Python int argument named with a string,
+    ``{"keep": "keep"}``, is traced as that symbol instead of being part of the call's identity (a
+    length that changes on every call then needs no new program); ``dims`` naming only such
+    arguments leaves every tensor dim free as ``dims=None`` does.
 
     Segment families (packed sequences cut by ``cu_seqlens``, frames from ``image_grid_thw``) are found
     automatically where offsets reach a varlen attention op; their power sums ``<family>_p<k>`` are

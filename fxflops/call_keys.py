@@ -201,8 +201,9 @@ class CallKeys:
     situation. The binding plan of each layout (how many positional arguments, which keywords) is
     worked out once, as a generated function."""
 
-    def __init__(self, forward: Callable[..., Any]) -> None:
+    def __init__(self, forward: Callable[..., Any], symbolic: frozenset[str] = frozenset()) -> None:
         self._signature = inspect.signature(forward)
+        self._symbolic = symbolic  # arguments whose Python ints are symbols (capture/adapters.py): keyed as ``int``
         self._by_layout: dict[tuple, Callable[[tuple, dict], tuple]] = {}
 
     def __call__(self, args: tuple, kwargs: dict) -> tuple:
@@ -214,14 +215,15 @@ class CallKeys:
 
     def _compile(self, args: tuple, kwargs: dict) -> Callable[[tuple, dict], tuple]:
         """The key of calls laid out like this one: straight-line code, defaults as constants."""
-        scope: dict[str, Any] = {"_vk": argument_key}
+        scope: dict[str, Any] = {"_vk": argument_key, "_sk": _symbolic_key}
         parts = []
         for i, (name, where, default) in enumerate(self._plan(args, kwargs)):
             if where is None:
                 scope[f"_c{i}"] = (name, default)
                 parts.append(f"_c{i}")
             else:
-                parts.append(f"({name!r}, _vk({'args' if type(where) is int else 'kwargs'}[{where!r}]))")
+                key = "_sk" if name in self._symbolic else "_vk"
+                parts.append(f"({name!r}, {key}({'args' if type(where) is int else 'kwargs'}[{where!r}]))")
         exec(compile(f"def key(args, kwargs):\n    return ({', '.join(parts)}{',' if parts else ''})\n", "<fxflops call key>", "exec"), scope)  # noqa: S102
         return scope["key"]
 
@@ -255,18 +257,29 @@ class CallKeys:
         docstring); None for a call holding more values than a test is generated for."""
         tests = _Tests()
         try:
-            for _, where, _ in self._plan(args, kwargs):
+            for name, where, _ in self._plan(args, kwargs):
                 if where is not None:
                     source = "args" if type(where) is int else "kwargs"
                     value = args[where] if type(where) is int else kwargs[where]
-                    tests.add(value, f"{source}[{where!r}]", False, [_BUDGET, 0])
+                    if name in self._symbolic and type(value) is int:
+                        tests.add_int(f"{source}[{where!r}]")
+                    else:
+                        tests.add(value, f"{source}[{where!r}]", False, [_BUDGET, 0])
         except _TooLarge:
             return None
         check = tests.function()
         return check if check(args, kwargs) else None
 
     def __getstate__(self) -> dict:
-        return {"_signature": self._signature, "_by_layout": {}}
+        return {"_signature": self._signature, "_symbolic": self._symbolic, "_by_layout": {}}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update({"_symbolic": frozenset(), **state})  # saved before symbolic arguments
+
+
+def _symbolic_key(value: Any) -> Any:
+    """The key of an argument whose Python int is a symbol: ``int`` for any int, else as any value."""
+    return _HELD_INT if type(value) is int else argument_key(value)
 
 
 _MAX_TESTS = 4096  # lines of one generated check; a call holding more keeps the general path
@@ -355,6 +368,10 @@ class _Tests:
         if device.type == "cuda" and device.index is not None:
             return f"not {x}.is_cuda or {x}.get_device() != {device.index}"
         return f"{x}.device != {self._constant(device)}"
+
+    def add_int(self, source: str) -> None:
+        """The test for an argument whose Python int is a symbol: any int."""
+        self._fail_if(f"type({self._local(source)}) is not int")
 
     def _local(self, source: str) -> str:
         name = f"_l{len(self.lines)}"

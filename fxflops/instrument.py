@@ -173,7 +173,9 @@ class Instrumented(torch.nn.Module):
         self.prefix = prefix  # the module path this wrapper counts at (a measured call's child)
         self._children: dict[str, Instrumented] = {}  # a measured call's children, each counted by its own programs
         self.adapter = adapter_for(self.traced)
-        self._call_keys = CallKeys(self.traced.forward)
+        # Python int arguments traced as symbols: the adapter's, and those dims names with a string
+        symbolic = self.adapter.symbolic_arguments | {name for name, spec in (dims or {}).items() if isinstance(spec, str)}
+        self._call_keys = CallKeys(self.traced.forward, frozenset(symbolic))
         self.rules = per_use_entries(rules) if rules else None  # per-use FLOPs rules (rules.overlaid): checked now
         self.routing = RoutingProbes(self.traced, self.rules) if measure_routing else None
         self.programs: list[Program] = []

@@ -117,6 +117,7 @@ class Program:
         prepare: Callable[[tuple, dict], tuple[tuple, dict]] = _identity,
         state: ModelState | None = None,
         derived: dict[str, DerivedSize] | None = None,
+        symbolic_arguments: frozenset[str] = frozenset(),
     ) -> None:
         if backward not in BACKWARD_RULES:
             raise ValueError(f"backward must be one of {BACKWARD_RULES}, not {backward!r}")
@@ -136,7 +137,7 @@ class Program:
         self.binder = binder
         self.prepare = prepare  # the model family's adapter: the call the model runs (``fxflops/adapters``)
         self.situation: tuple | None = None  # (call key, mode key) of the traced call (fxflops/situation.py)
-        self.call_keys = CallKeys(binder._forward)
+        self.call_keys = CallKeys(binder._forward, symbolic_arguments)  # those arguments' ints are symbols
         self.state = state  # the model state it was traced in
         self.tree = nx.DiGraph()
         self.tree.add_node("")
@@ -182,7 +183,7 @@ class Program:
         paths = (n for n, _ in model.named_modules()) if modules else ()
         return cls(
             analysis, binder, symbols, captured.guards, paths, backward=backward, prepare=prepare, state=state,
-            derived={str(sym): size for sym, size in derived.items()},
+            derived={str(sym): size for sym, size in derived.items()}, symbolic_arguments=captured.symbolic_arguments,
         )
 
     # ---- compilation to the monomial basis -------------------------------------------------

@@ -93,6 +93,9 @@ class TransformersAdapter(Adapter):
     # decoder layers store their index only to address the KV cache; every index-dependent choice
     # (layer_type, sliding_window, MoE or dense mlp) is an attribute or a submodule made in __init__
     same_layer_attributes = frozenset({"layer_idx"})
+    # per-batch Python ints a padding-free collator (DataCollatorWithFlattening's flash-attention
+    # kwargs) or a trainer passes: symbols, so that a new longest sequence is not a new situation
+    symbolic_arguments = frozenset({"max_length_q", "max_length_k", "num_items_in_batch"})
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model

@@ -34,6 +34,9 @@ class Adapter:
 
     per_segment: dict[str, str] = {}
     same_layer_attributes: frozenset[str] = frozenset()  # attributes layer reuse may ignore (capture/reuse.py)
+    # Python int arguments traced as symbols, not keyed by value: a length that changes on every call
+    # (a packing collator's max_length_q); a call key holds their type only, the binder reads them
+    symbolic_arguments: frozenset[str] = frozenset()
 
     def prepare(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         """The call the model runs and the program binds: here the call itself."""

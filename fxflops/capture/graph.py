@@ -147,6 +147,7 @@ def trace_graph(
 ) -> torch.fx.GraphModule:
     """``make_fx`` of ``model(*args, **kwargs)`` whose tensors are fakes of ``mode``; with
     ``backward``, also of the backward from its loss or outputs (``backward_roots``; ``capture/phases.py``).
+    A SymInt among the call's arguments (an integer traced as a symbol) is a graph input in its place.
     ``held`` are the tensors and integers held by argument objects, as (the object, the steps to the
     value below it, its fake or SymInt): graph inputs after the call's own tensors, put into the
     objects when the trace runs. ``non_leaf``: ids of input fakes standing for tensors that are not
@@ -168,7 +169,7 @@ def trace_graph(
     the adapter's stand-ins read from the same dict.
     """
     leaves, tree = pytree.tree_flatten((args, kwargs))
-    slots = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+    slots = [i for i, leaf in enumerate(leaves) if isinstance(leaf, (torch.Tensor, torch.SymInt))]  # a SymInt: a symbolic argument
     state = {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers(remove_duplicate=False))}
     derived = derived if derived is not None else {}
     derived_names = list(derived)

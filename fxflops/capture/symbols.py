@@ -112,10 +112,18 @@ def strides_like(tensor: torch.Tensor, sizes: list[Any]) -> list[Any] | None:
     return strides
 
 
-def symbolic_ints(env: BlamingShapeEnv, integers: dict[Path, int], env_syms: dict[str, sympy.Symbol]) -> dict[Path, Any]:
-    """A SymInt for every integer an argument object holds, named after its path (added to ``env_syms``):
-    any integer, not a size (a negative value is possible)."""
-    return {path: named_symint(env, path_label(path), example, env_syms, size=False) for path, example in integers.items()}
+def symbolic_ints(
+    env: BlamingShapeEnv, integers: dict[Path, int], env_syms: dict[str, sympy.Symbol], names: dict[Path, str] | None = None
+) -> dict[Path, Any]:
+    """A SymInt for every integer an argument object holds or a symbolic integer argument is, named
+    ``names[path]`` or after its path (added to ``env_syms``). An object's integer is any integer (a
+    negative value is possible); a symbolic argument (``names``) not negative in the example is a
+    size, as a length is (slicing by it gives a size), which its program guards (``capture/trace.py``)."""
+    names = names or {}
+    return {
+        path: named_symint(env, names.get(path, path_label(path)), example, env_syms, size=path in names and example >= 0)
+        for path, example in integers.items()
+    }
 
 
 def named_symint(

@@ -47,7 +47,7 @@ from fxflops.capture.symbols import (
     Guard, check_free, guards_of, held_inputs, held_paths, in_public_symbols, named_symbol, named_symint, symbolic_inputs,
     symbolic_ints,
 )
-from fxflops.errors import CaptureError
+from fxflops.errors import CaptureError, InputError
 
 __all__ = ["Captured", "Guard", "capture", "named_symbol"]
 
@@ -69,6 +69,7 @@ class Captured:
     copies: dict[str, str] = field(default_factory=dict)  # module path -> the traced module it is billed as
     derived: dict[sympy.Symbol, DerivedSize] = field(default_factory=dict)  # sizes the binder computes from metadata values
     grad: bool = True  # grad mode the trace ran in
+    symbolic_arguments: frozenset[str] = frozenset()  # Python int arguments traced as symbols (capture/adapters.py)
     assumptions_at_capture: tuple[int, int] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -122,6 +123,7 @@ def _trace_once(
     model: torch.nn.Module, call: tuple[tuple, dict], tensors: dict[Path, torch.Tensor], integers: dict[Path, int],
     specs: list[DimSpec], reusing: bool, backward: bool, adapter: Adapter, per_segment: dict[str, str], reads: Reads,
     shapes: dict[int, torch.Size], roots: tuple[int, ...] | None, derived: dict[str, tuple[Path, int]], reach: Reach,
+    integer_names: dict[Path, str],
 ) -> _Trace:
     """The call traced with ``specs`` free (and repeated layers reused when ``reusing``); ``derived``:
     the derived sizes' example values, each a symbol the adapter's stand-ins receive; ``reach``:
@@ -129,13 +131,14 @@ def _trace_once(
     env = BlamingShapeEnv()
     mode = FakeTensorMode(shape_env=env, allow_non_fake_inputs=True)
     fakes, env_syms = symbolic_inputs(env, mode, tensors, specs)
-    symints = symbolic_ints(env, integers, env_syms)
+    symints = symbolic_ints(env, integers, env_syms, integer_names)
     sizes = {
         name: TracedSize(named_symint(env, name, example, env_syms), fakes[source])
         for name, (source, example) in derived.items()
     }
     fake_by_id = {id(tensors[path]): fake for path, fake in fakes.items()}
     args, kwargs = pytree.tree_map(lambda v: fake_by_id.get(id(v), v) if isinstance(v, torch.Tensor) else v, call)
+    args, kwargs = with_arguments(model.forward, args, kwargs, {path[0]: s for path, s in symints.items() if len(path) == 1})
     held = held_inputs(bind_call(model.forward, args, kwargs), {**fakes, **symints})
     non_leaf = frozenset(id(fakes[path]) for path, t in tensors.items() if t.requires_grad and not t.is_leaf)
     twin = twin_of(model)  # the trace runs on, and writes to, its own copy of the module tree
@@ -208,10 +211,13 @@ def capture(
     """
     kwargs = kwargs or {}
     adapter = adapter or Adapter()
+    named = bind_call(model.forward, args, kwargs)
+    symbolic = symbolic_arguments(named, dims, adapter)
+    # tensor dims as named; dims naming integer arguments only: every tensor dim free as with dims=None
+    dims = {label: spec for label, spec in (dims or {}).items() if not isinstance(spec, str)} or None
     if dims is None and (named_dims := adapter.dims(args, kwargs)) is not None:
         dims, allow_pins = named_dims, True
     per_segment = {**adapter.per_segment, **(per_segment or {})}
-    named = bind_call(model.forward, args, kwargs)
     tensors = tensor_leaves(named)
     derived = {size.name: size for size in adapter.derived_sizes(args, kwargs)}
     for size in derived.values():
@@ -222,16 +228,19 @@ def capture(
         spec for spec in specs
         if tensors[spec.path].shape[spec.dim] == 1 and not (spec.dim == 0 and is_metadata(tensors[spec.path]))
     ] if dims is None else []
-    leaves = pytree.tree_leaves((args, kwargs))
+    # the graph's inputs: the call's tensors and symbolic integers in call order (capture/graph.py)
+    slots = {name: _Slot((name,)) for name in symbolic}
+    leaves = pytree.tree_leaves(with_arguments(model.forward, args, kwargs, slots))
     reads = Reads()
 
     def traced() -> tuple[_Trace, list[DimSpec]]:
         with capture_scope(), _attaching(reads):
             return _trace(
-                model, (args, kwargs), tensors, held_ints(named), specs, size_one, list(named)[: len(args)],
+                model, (args, kwargs), tensors, held_ints(named) | {(name,): named[name] for name in symbolic}, specs, size_one, list(named)[: len(args)],
                 backward=backward, adapter=adapter, per_segment=per_segment, reads=reads, roots=roots,
                 shapes=compute_shapes(model),  # sharded parameters: what this rank computes with
                 derived={name: (size.source, size.value(tensors[size.source])) for name, size in derived.items()},
+                integer_names={(name,): symbol for name, symbol in symbolic.items()},
             )
 
     # in an empty context (the capture scope's own state set inside it): context variables of a call
@@ -250,6 +259,9 @@ def capture(
         # unevaluated: sympy would call it True for a positive symbol, and a derived size can be 0
         Guard(sympy.Ge(named_symbol(name), size.minimum, evaluate=False), f"derived size {name}: the adapter's stand-ins need at least {size.minimum}")
         for name, size in sorted(derived.items()) if size.minimum > 0
+    ] + [
+        Guard(sympy.Ge(named_symbol(symbol), 0, evaluate=False), f"integer argument {name} traced as a size")
+        for name, symbol in symbolic.items() if named[name] >= 0 and symbol not in pinned
     ]
     path_of = {id(tensor): path for path, tensor in tensors.items()}
     return Captured(
@@ -261,7 +273,7 @@ def capture(
         input_dims={path: tuple(public(size) for size in fake.shape) for path, fake in trace.fakes.items()}
         | {path: public(symint.node.expr) for path, symint in trace.symints.items()},
         placeholder_paths=[
-            *(path_of[id(leaf)] for leaf in leaves if isinstance(leaf, torch.Tensor)),
+            *(leaf.path if isinstance(leaf, _Slot) else path_of[id(leaf)] for leaf in leaves if isinstance(leaf, (torch.Tensor, _Slot))),
             *held_paths({**trace.fakes, **trace.symints}),
         ],
         lifted=trace.lifted,
@@ -270,4 +282,40 @@ def capture(
         copies={**trace.reuse.templates, **{path: l.path for path, l in trace.lifted.items() if l.path != path}},
         derived={named_symbol(name): size for name, size in derived.items()},
         grad=torch.is_grad_enabled(),
+        symbolic_arguments=frozenset(symbolic),
+    )
+
+
+@dataclass(frozen=True)
+class _Slot:
+    """Where a symbolic integer argument sits among the call's leaves."""
+
+    path: Path
+
+
+def symbolic_arguments(named: dict[str, Any], dims: dict[str, Any] | None, adapter: Adapter) -> dict[str, str]:
+    """The call's Python int arguments traced as symbols, with their symbol names: those ``dims``
+    names with a string (``dims={"keep": "keep"}``) and the adapter's (named after the argument).
+    Such an argument given another value (a float, a tensor, ``None``) is part of the call's
+    identity as any value is. A string in ``dims`` for a name the call lacks raises :class:`InputError`."""
+    chosen = {name: name for name in adapter.symbolic_arguments if type(named.get(name)) is int}
+    for name, spec in (dims or {}).items():
+        if isinstance(spec, str):
+            if name not in named:
+                raise InputError(f"dims[{name!r}] is a symbol name for a Python int argument, but the call has no argument {name!r}: it has {sorted(named)}")
+            if not spec.isidentifier():
+                raise InputError(f"symbol name {spec!r} for argument {name!r} must be an identifier")
+            if type(named[name]) is int:
+                chosen[name] = spec
+    return chosen
+
+
+def with_arguments(forward: Any, args: tuple, kwargs: dict, values: dict[str, Any]) -> tuple[tuple, dict]:
+    """The call with the arguments named in ``values`` (positional or keyword) replaced by them."""
+    if not values:
+        return args, kwargs
+    names = list(bind_call(forward, args, kwargs))[: len(args)]
+    return (
+        tuple(values.get(name, arg) for name, arg in zip(names, args)) + args[len(names) :],
+        {key: values.get(key, value) for key, value in kwargs.items()},
     )
