@@ -140,6 +140,8 @@ def _opaque_key(value: Any, shapes: bool) -> Any:
       another value is another key; the same code over the same values the same key);
     - a bound method: its function and the key of the object it is bound to;
     - a numpy array: dtype, shape and contents (refused above :data:`_ARRAY_BYTES`);
+    - a set or frozenset: the keys of its items, unordered (a set mutated in place, ``skip.add(2)``,
+      is another key);
     - an object with ``__slots__``: its class and its slots' values; a callable object: its attributes;
     - an iterator (a generator): its type (a capture never consumes one: the code reading it is measured);
     - anything else (a module, a builtin, an extension object): its identity."""
@@ -151,6 +153,8 @@ def _opaque_key(value: Any, shapes: bool) -> Any:
         return (kind, id(value.__code__), cells, _key(value.__defaults__, True, None), _key(value.__kwdefaults__, True, None))
     if isinstance(value, types.MethodType):
         return (kind, _key(value.__func__, shapes, None), _key(value.__self__, shapes, None))
+    if isinstance(value, (set, frozenset)):
+        return (kind, "set", frozenset([_key(v, True, None) for v in value]))
     if _is_array(value):
         if value.nbytes > _ARRAY_BYTES:
             raise InputError(f"a numpy array argument of {value.nbytes} bytes: fxflops cannot tell its calls apart cheaply")
@@ -199,14 +203,25 @@ class CallKeys:
     parameter's value by name in signature order, defaults for those not given, so that one call
     made positionally or by keyword, or omitting an argument rather than passing its default, is one
     situation. The binding plan of each layout (how many positional arguments, which keywords) is
-    worked out once, as a generated function."""
+    worked out once, as a generated function. Defaults are part of the plan: ``forward.__defaults__``
+    replaced makes new plans; a mutable default (a list, a dict, an object) is keyed at every call
+    (changed in place, it is another key)."""
 
     def __init__(self, forward: Callable[..., Any], symbolic: frozenset[str] = frozenset()) -> None:
-        self._signature = inspect.signature(forward)
+        self._forward = forward
         self._symbolic = symbolic  # arguments whose Python ints are symbols (capture/adapters.py): keyed as ``int``
+        self._planned()
+
+    def _planned(self) -> None:
+        """Plans for the forward's signature and defaults as they are now."""
+        function = getattr(self._forward, "__func__", self._forward)
+        self._function, self._defaults = function, _defaults_of(function)
+        self._signature = inspect.signature(self._forward)
         self._by_layout: dict[tuple, Callable[[tuple, dict], tuple]] = {}
 
     def __call__(self, args: tuple, kwargs: dict) -> tuple:
+        if _defaults_of(self._function) != self._defaults:  # the default values replaced
+            self._planned()
         layout = (len(args), tuple(kwargs))
         key = self._by_layout.get(layout)
         if key is None:
@@ -218,8 +233,11 @@ class CallKeys:
         scope: dict[str, Any] = {"_vk": argument_key, "_sk": _symbolic_key}
         parts = []
         for i, (name, where, default) in enumerate(self._plan(args, kwargs)):
-            if where is None:
-                scope[f"_c{i}"] = (name, default)
+            if where is None and _mutable(default):  # keyed as it is at each call
+                scope[f"_m{i}"] = default
+                parts.append(f"({name!r}, _vk(_m{i}))")
+            elif where is None:
+                scope[f"_c{i}"] = (name, value_key(default))
                 parts.append(f"_c{i}")
             else:
                 key = "_sk" if name in self._symbolic else "_vk"
@@ -228,7 +246,7 @@ class CallKeys:
         return scope["key"]
 
     def _plan(self, args: tuple, kwargs: dict) -> tuple:
-        """(name, where its value is: a position or a keyword, or None and the key of its default)
+        """(name, where its value is: a position or a keyword, or None and its default)
         per parameter (``*args`` and ``**kwargs`` as the values they collect, by position and by
         keyword); raises TypeError for a call ``forward`` does not accept."""
         bound = self._signature.bind(*args, **kwargs)
@@ -243,7 +261,7 @@ class CallKeys:
                 plan += [(k, k, None) for k in kwargs if k not in named]  # in the call's order: the code may iterate them
             elif name not in bound.arguments:
                 default = param.default
-                plan.append((name, None, value_key(None if default is inspect.Parameter.empty else default)))
+                plan.append((name, None, None if default is inspect.Parameter.empty else default))
             elif param.kind is not inspect.Parameter.KEYWORD_ONLY and i < positional:
                 plan.append((name, i, None))
                 i += 1
@@ -256,9 +274,13 @@ class CallKeys:
         arguments, the same keywords in the same order) has this call's key (see the module
         docstring); None for a call holding more values than a test is generated for."""
         tests = _Tests()
+        tests.add_defaults(self._function, self._defaults)
         try:
-            for name, where, _ in self._plan(args, kwargs):
-                if where is not None:
+            for i, (name, where, default) in enumerate(self._plan(args, kwargs)):
+                if where is None and _mutable(default):
+                    tests.scope[f"_m{i}"] = default
+                    tests.add(default, f"_m{i}", False, [_BUDGET, 0])
+                elif where is not None:
                     source = "args" if type(where) is int else "kwargs"
                     value = args[where] if type(where) is int else kwargs[where]
                     if name in self._symbolic and type(value) is int:
@@ -271,10 +293,25 @@ class CallKeys:
         return check if check(args, kwargs) else None
 
     def __getstate__(self) -> dict:
-        return {"_signature": self._signature, "_symbolic": self._symbolic, "_by_layout": {}}
+        return {"_forward": self._forward, "_symbolic": self._symbolic}
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update({"_symbolic": frozenset(), **state})  # saved before symbolic arguments
+        self._planned()
+
+
+def _defaults_of(function: Any) -> tuple:
+    """A function's default values, as objects (compared by identity: replacing them is a change)."""
+    return (getattr(function, "__defaults__", None), getattr(function, "__kwdefaults__", None))
+
+
+def _mutable(default: Any) -> bool:
+    """A default that can change in place between calls: not a scalar, nor a tuple or frozenset of them."""
+    if type(default) in _EXACT_SCALARS or isinstance(default, SCALARS):
+        return False
+    if isinstance(default, (tuple, frozenset)):
+        return any(_mutable(v) for v in default)
+    return not callable(default)  # a function default: keyed by its code and closure, as a constant
 
 
 def _symbolic_key(value: Any) -> Any:
@@ -368,6 +405,11 @@ class _Tests:
         if device.type == "cuda" and device.index is not None:
             return f"not {x}.is_cuda or {x}.get_device() != {device.index}"
         return f"{x}.device != {self._constant(device)}"
+
+    def add_defaults(self, function: Any, defaults: tuple) -> None:
+        """The test that ``function``'s default values are still the objects ``defaults``."""
+        f, d = self._constant(function), self._constant(defaults)
+        self._fail_if(f"getattr({f}, '__defaults__', None) is not {d}[0] or getattr({f}, '__kwdefaults__', None) is not {d}[1]")
 
     def add_int(self, source: str) -> None:
         """The test for an argument whose Python int is a symbol: any int."""

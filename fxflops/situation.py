@@ -46,7 +46,7 @@ from fxflops.analysis.paths import inside, moved
 from fxflops.call_keys import SCALARS, described_layout, value_key
 from fxflops.capture.reads import Reads
 from fxflops.errors import InputError
-from fxflops.situation_code import CodeRead, code_reads, copied, plain
+from fxflops.situation_code import CodeRead, code_reads, copied, importable, plain
 
 
 def _autocast_key() -> tuple:
@@ -281,6 +281,7 @@ class ModelState:
         self.model = model
         self.guards = _guards_from(model, reads, copies, constants)
         self.called = {path: set(reads.of_module(m)) for path, m in model.named_modules() if reads.of_module(m)}
+        self.functions = reads.functions  # the call's function arguments: their globals are read too
         self.requires_grad = {n: p.requires_grad for n, p in model.named_parameters()} if grad else {}
         self._bind()
 
@@ -314,7 +315,7 @@ class ModelState:
         for k, (owner, names) in enumerate(absent.values()):  # one test per object: its class, its names at once
             scope[f"_o{k}"], scope[f"_t{k}"], scope[f"_a{k}"], scope[f"_n{k}"] = owner, type(owner), vars(owner).keys(), frozenset(names)
             tests.append(f"type(_o{k}) is _t{k} and _a{k}.isdisjoint(_n{k})")
-        self.code = code_reads(self.model, self.called)  # globals and closures of the code the trace ran
+        self.code = code_reads(self.model, self.called, self.functions)  # globals and closures of the code the trace ran
         tests += _code_tests(self.code, scope)
         parameters = dict(self.model.named_parameters())
         frozen = tuple(parameters[n] for n, wanted in self.requires_grad.items() if not wanted)
@@ -397,10 +398,11 @@ class ModelState:
             dataclasses.replace(g, expected=_AsLoaded) if g.test == "value" or g.where == "class" and g.test == "is" else g
             for g in self.guards
         ]
-        return {"model": self.model, "guards": guards, "called": self.called, "requires_grad": self.requires_grad}
+        functions = [f for f in self.functions if importable(f)]  # a lambda argument's reads are not saved
+        return {"model": self.model, "guards": guards, "called": self.called, "functions": functions, "requires_grad": self.requires_grad}
 
     def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
+        self.__dict__.update({"functions": [], **state})
         self._bind()  # the copy's own objects: identities do not survive a copy
 
 
@@ -523,7 +525,7 @@ def _guard(label: str, path: str, held: str | None, key: str, value: Any, consta
         return StateGuard(label, path, held, key, value, "is")
     if plain(value):
         return StateGuard(label, path, held, key, copied(value), "==")
-    if isinstance(value, (torch.Tensor, list, tuple, dict)):
+    if isinstance(value, (torch.Tensor, list, tuple, dict, set, frozenset)):
         used = any(isinstance(t, torch.Tensor) and id(t) in constants for t in _leaves(value))
         return StateGuard(label, path, held, key, value_key(value, used), "shapes" if used else "key")
     if _by_contents(value):

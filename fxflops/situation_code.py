@@ -7,9 +7,15 @@ closure holds. torch.compile guards each such read (Dynamo sees every ``LOAD_GLO
 the code instead of interpreting it, so it guards what the code *can* read (:func:`code_reads`): the
 names the model classes' functions load (their code objects' ``co_names``, nested code included)
 that their module's globals hold, and the cells of their closures, following the functions those
-name into their own globals (model code only: not torch's, not fxflops'). Plain values (numbers,
-strings, flags, tuples of them) are compared by value, functions and mutable containers by identity
-(a module-level dict the code fills is a cache, not a setting). Names the
+name into their own globals (model code only: not torch's, not fxflops'); the same for the functions
+the modules hold as attributes (``self.select = select``) and those the call passes (``how=fn``:
+its key is its code and closure, its globals are read here; a saved program keeps those of importable
+functions only). Plain values (numbers,
+strings, flags, tuples of them) are compared by value, functions by identity. A module-level list,
+dict or set of plain values is compared by value too (a setting changed in place, ``CONFIG["layers"]
+= 2``, is another situation), unless the code fills it in place (``CACHE[key] = ...``,
+``SEEN.add(...)``: a cache or a registry, compared by identity, or every new entry would be another
+situation; :func:`_filled`), or it holds more than :data:`MAX_COMPARED` values. Names the
 code itself assigns (``global calls; calls += 1``, ``nonlocal``) are its bookkeeping and are not
 guarded (else every call would be another situation, as a recompile per call is under Dynamo).
 (Attributes of the model's modules and of the objects they hold, class attributes among them, are
@@ -18,7 +24,10 @@ guarded (else every call would be another situation, as a recompile per call is 
 
 from __future__ import annotations
 
+import dataclasses
 import dis
+import functools
+import sys
 import types
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -29,6 +38,7 @@ import torch
 from fxflops.call_keys import SCALARS
 
 MAX_FUNCTIONS = 512  # functions followed per model: the guards stay cheap, a huge code base is cut short
+MAX_COMPARED = 1024  # values of a module-level container compared per call (a larger one: by identity)
 _LIBRARIES = ("torch.", "fxflops.", "functools", "typing", "builtins", "collections", "abc", "contextlib")
 
 
@@ -54,24 +64,33 @@ class CodeRead:
         return value == self.expected if self.test == "==" else value is self.expected
 
 
-def code_reads(model: torch.nn.Module, called: dict[str, set[str]]) -> list[CodeRead]:
+def code_reads(model: torch.nn.Module, called: dict[str, set[str]], functions: list[Any] = ()) -> list[CodeRead]:
     """The globals and closure values the code the capture ran can read (module docstring): the
     methods the trace called on the model's modules (``called``: module path -> attribute names the
     capture read there, such as ``forward``, ``get_image_features``, a loss function property) and
-    the functions their code names, transitively."""
+    the functions their code names, transitively; and those of ``functions``, the call's function
+    arguments (a ``how=`` callable the forward calls)."""
     found: dict[tuple[int, str | None], CodeRead] = {}
+    filled: set[tuple[int, str | None]] = set()  # containers some function fills in place
     seen: set[int] = set()
-    todo = list(_called_methods(model, called))
+    todo = [*_called_methods(model, called), *(f for value in functions for f in _functions_in(value))]
     while todo and len(seen) < MAX_FUNCTIONS:
         fn = todo.pop()
         if id(fn) in seen or _is_library(fn):
             continue
         seen.add(id(fn))
-        for read in _reads_of(fn):
-            found.setdefault((id(read.namespace), read.key), read)
+        names = _filled(fn.__code__)
+        for name, read in _reads_of(fn):
+            where = (id(read.namespace), read.key)
+            found.setdefault(where, read)
+            if name in names:
+                filled.add(where)
             if isinstance(read.expected, types.FunctionType):
                 todo.append(read.expected)
-    return list(found.values())
+    return [
+        dataclasses.replace(read, expected=read.now(), test="is") if where in filled and read.test == "==" and isinstance(read.expected, _MUTABLE) else read
+        for where, read in found.items()
+    ]
 
 
 def _called_methods(model: torch.nn.Module, called: dict[str, set[str]]) -> Iterator[types.FunctionType]:
@@ -83,21 +102,36 @@ def _called_methods(model: torch.nn.Module, called: dict[str, set[str]]) -> Iter
         except AttributeError:
             continue
         for name in names:
+            held = vars(module).get(name)
+            if held is not None:  # a function the module holds (``self.chosen = chosen``): its code too
+                yield from _functions_in(held)
+                continue
             cls = next((c for c in type(module).__mro__ if name in vars(c)), None)
             if cls is not None and not cls.__module__.startswith(_LIBRARIES):
                 yield from _functions_in(vars(cls)[name])
 
 
 def _functions_in(value: Any) -> Iterator[types.FunctionType]:
-    """The plain functions a class attribute runs: a method, a static or class method, a property's
-    getter, and the functions a decorator wraps (``__wrapped__``)."""
-    if isinstance(value, (staticmethod, classmethod)):
+    """The plain functions a class attribute or a held callable runs: a method (bound too), a static
+    or class method, a property's getter, a ``functools.partial``'s function, and the functions a
+    decorator wraps (``__wrapped__``)."""
+    while isinstance(value, functools.partial):
+        value = value.func
+    if isinstance(value, (staticmethod, classmethod, types.MethodType)):
         value = value.__func__
     elif isinstance(value, property):
         value = value.fget
     while isinstance(value, types.FunctionType):
         yield value
         value = getattr(value, "__wrapped__", None)
+
+
+def importable(fn: Any) -> bool:
+    """Whether a function can be found again by its module and qualified name (pickled by reference)."""
+    found = sys.modules.get(getattr(fn, "__module__", None) or "")
+    for part in (getattr(fn, "__qualname__", None) or "<lambda>").split("."):
+        found = getattr(found, part, None)
+    return found is fn
 
 
 def _is_library(fn: types.FunctionType) -> bool:
@@ -122,9 +156,47 @@ def _written(code: types.CodeType) -> set[str]:
     return {i.argval for c in _codes(code) for i in dis.get_instructions(c) if i.opname in _WRITES}
 
 
-def _reads_of(fn: types.FunctionType) -> Iterator[CodeRead]:
-    """The globals ``fn``'s code names (those its module holds) and its closure's cells, as reads:
-    plain values and functions (other objects: modules, classes, a logger, are not followed)."""
+_LOADS = frozenset({"LOAD_GLOBAL", "LOAD_NAME", "LOAD_DEREF", "LOAD_CLASSDEREF"})
+_SUBSCRIPT_WRITES = frozenset({"STORE_SUBSCR", "DELETE_SUBSCR"})
+_MUTATORS = frozenset({
+    "append", "extend", "insert", "pop", "popitem", "remove", "clear", "update", "setdefault", "add", "discard",
+    "sort", "reverse", "appendleft", "extendleft", "popleft", "__setitem__", "__delitem__", "__iadd__", "__ior__",
+    "intersection_update", "difference_update", "symmetric_difference_update",
+})
+
+
+def _filled(code: types.CodeType) -> set[str]:
+    """The globals and closure variables the code changes in place: a name whose mutating method it
+    looks up (``CACHE.setdefault``, ``SEEN.add(...)``), and every name it loads in a statement that
+    assigns or deletes a subscript (``CACHE[key] = v``; conservatively also ``out[CONFIG["i"]] = v``,
+    which only keeps that container compared by identity)."""
+    names: set[str] = set()
+    for c in _codes(code):
+        statement: list[dis.Instruction] = []
+        for instruction in [*dis.get_instructions(c), None]:
+            line = None if instruction is None else _line_of(instruction)
+            if instruction is None or (line is not None and statement and line != _line_of(statement[0])):
+                if any(i.opname in _SUBSCRIPT_WRITES for i in statement):
+                    names.update(i.argval for i in statement if i.opname in _LOADS)
+                statement = []
+            if instruction is not None:
+                statement.append(instruction)
+        instructions = list(dis.get_instructions(c))
+        for loaded, looked_up in zip(instructions, instructions[1:]):
+            if loaded.opname in _LOADS and looked_up.opname in ("LOAD_ATTR", "LOAD_METHOD") and looked_up.argval in _MUTATORS:
+                names.add(loaded.argval)
+    return names
+
+
+def _line_of(instruction: dis.Instruction) -> int | None:
+    """The line an instruction starts (None: it continues the line before; 3.13 numbers every one)."""
+    return instruction.line_number if sys.version_info >= (3, 13) else instruction.starts_line
+
+
+def _reads_of(fn: types.FunctionType) -> Iterator[tuple[str, CodeRead]]:
+    """The globals ``fn``'s code names (those its module holds) and its closure's cells, as reads
+    with the name the code uses: plain values and functions (other objects: modules, classes, a
+    logger, are not followed)."""
     namespace = fn.__globals__
     where = getattr(fn, "__module__", None) or "?"
     written = _written(fn.__code__)
@@ -132,7 +204,7 @@ def _reads_of(fn: types.FunctionType) -> Iterator[CodeRead]:
         if name in namespace:
             read = _read(f"{where}.{name} (a global {fn.__qualname__} reads)", namespace, name, namespace[name])
             if read is not None:
-                yield read
+                yield name, read
     if hasattr(fn, "__wrapped__"):  # a decorator's wrapper: its cells hold the decorator's settings
         return
     for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ()):
@@ -144,7 +216,7 @@ def _reads_of(fn: types.FunctionType) -> Iterator[CodeRead]:
             continue
         read = _read(f"{fn.__qualname__}'s closure variable {name}", cell, None, value)
         if read is not None:
-            yield read
+            yield name, read
 
 
 _MUTABLE = (list, dict, set)
@@ -153,8 +225,10 @@ _MUTABLE = (list, dict, set)
 def _read(label: str, namespace: Any, key: str | None, value: Any) -> CodeRead | None:
     if isinstance(value, type):  # a class the code builds or tests against: not state a count depends on
         return None
-    if isinstance(value, (bool, type(None))) or isinstance(value, _MUTABLE):  # a dict, list or set by identity:
-        return CodeRead(label, namespace, key, value, "is")  # the code may fill it (a cache, a registry)
+    if isinstance(value, (bool, type(None))):
+        return CodeRead(label, namespace, key, value, "is")
+    if isinstance(value, _MUTABLE):  # by value; by identity when filled in place (code_reads) or large
+        return CodeRead(label, namespace, key, copied(value), "==") if plain(value, MAX_COMPARED) else CodeRead(label, namespace, key, value, "is")
     if plain(value):
         return CodeRead(label, namespace, key, copied(value), "==")
     if isinstance(value, types.FunctionType):

@@ -290,3 +290,163 @@ class _ArrayRepeat:
 
     def __call__(self, h):
         return h.repeat(int(self.times[0]), 1)
+
+
+SETTINGS = {"layers": 3}  # a module-level setting changed in place
+SKIPPED: set[int] = set()
+SIGNS = [1] * 200  # more values than a small container: still compared by value
+_SEEN: dict[str, int] = {}  # a registry the code fills in place: not a situation
+
+
+class InPlace(nn.Module):
+    """Settings in module-level containers and a closure's list, read by the code, changed in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+        order = [0, 1, 2]
+
+        def chosen():
+            return [i for i in order if i not in SKIPPED]
+
+        self.chosen, self.order = chosen, order
+
+    def forward(self, x):
+        _SEEN.setdefault("calls", 0)
+        _SEEN["calls"] += 1
+        for i in self.chosen():
+            if i < SETTINGS["layers"] and SIGNS[i] > 0:
+                x = self.layers[i](x)
+        return x
+
+
+@pytest.mark.parametrize("backward", [False, True])
+def test_containers_the_code_reads_changed_in_place_guard_their_programs(backward):
+    model = InPlace()
+    wrapper = fxflops.instrument(model, backward=backward)
+    try:
+        _check(wrapper, model, backward, "traced")
+        changes = [  # each leaves at least one layer running (a backward needs one)
+            ("a module-level dict entry", lambda: SETTINGS.update(layers=2)),
+            ("an item added to a module-level set", lambda: SKIPPED.add(0)),
+            ("the dict entry back", lambda: SETTINGS.update(layers=3)),
+            ("an item of a 200-item module-level list", lambda: SIGNS.__setitem__(1, -1)),
+            ("the set emptied", SKIPPED.clear),
+            ("a closure's list in place", lambda: model.order.remove(2)),
+            ("all back", lambda: (SIGNS.__setitem__(1, 1), model.order.append(2))),
+        ]
+        for label, change in changes:
+            change()
+            _check(wrapper, model, backward, label)
+        captures = wrapper.captures
+        for _ in range(3):
+            _check(wrapper, model, backward, "the registry the code fills changed: no new program")
+        assert wrapper.captures == captures
+    finally:
+        SETTINGS["layers"], SIGNS[1] = 3, 1
+        SKIPPED.clear()
+
+
+class Skips(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+        self.frozen_ids = set(range(100, 200))  # a large set attribute: compared by contents
+
+    def forward(self, x, skip=frozenset()):
+        for i, layer in enumerate(self.layers):
+            if i not in skip and 100 + i not in self.frozen_ids:
+                x = layer(x)
+        return x
+
+
+def test_set_arguments_and_attributes_are_compared_by_contents():
+    model = Skips()
+    wrapper = fxflops.instrument(model)
+
+    def call(label, *args):
+        x = torch.randn(4, 8)
+        wrapper.flops.reset()
+        with torch.no_grad():
+            wrapper(x, *args)
+        assert wrapper.flops.total() == flop_counter_call(model, (x, *args), {}, False), label
+
+    skip = {1}
+    call("a set argument", skip)
+    skip.add(2)
+    call("the same set argument changed in place", skip)
+    for k in (0, 3, 0):  # a fresh set per call, possibly at a freed one's address
+        call(f"a fresh set {{{k}}}", {k})
+    call("a frozenset", frozenset({0, 1}))
+    model.frozen_ids.discard(101)
+    call("the set attribute changed in place")
+    model.frozen_ids.add(101)
+    call("and back")
+
+
+TIMES = 1  # a setting a function passed to the forward reads
+
+
+def _repeat_by_setting(h):
+    return h.repeat(TIMES, 1)
+
+
+def test_a_function_argument_s_globals_guard_its_program():
+    global TIMES
+    model = Takes()
+    wrapper = fxflops.instrument(model)
+
+    def call(label):
+        x = torch.randn(4, 8)
+        wrapper.flops.reset()
+        with torch.no_grad():
+            wrapper(x, _repeat_by_setting)
+        assert wrapper.flops.total() == flop_counter_call(model, (x, _repeat_by_setting), {}, False), label
+
+    try:
+        call("traced")
+        TIMES = 3
+        call("the global the function argument reads changed")
+        TIMES = 1
+        call("back")
+    finally:
+        TIMES = 1
+
+
+class Defaults(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x, times=1, order=[0]):  # noqa: B006 - a mutable default, changed in place below
+        for _ in range(times * len(order)):
+            x = self.fc(x)
+        return x
+
+
+def test_defaults_replaced_or_changed_in_place_are_another_key():
+    model = Defaults()
+    wrapper = fxflops.instrument(model)
+    function = Defaults.forward
+
+    def call(label):
+        x = torch.randn(4, 8)
+        wrapper.flops.reset()
+        with torch.no_grad():
+            wrapper(x)
+        assert wrapper.flops.total() == flop_counter_call(model, (x,), {}, False), label
+
+    original = function.__defaults__
+    try:
+        for _ in range(2):
+            call("traced, then fast")
+        function.__defaults__ = (2, original[1])
+        call("a default replaced")
+        original[1].append(1)
+        function.__defaults__ = original
+        call("the original defaults back, the mutable one changed in place")
+        original[1].pop()
+        call("and back")
+    finally:
+        function.__defaults__ = original
+        del original[1][1:]

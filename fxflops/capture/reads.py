@@ -17,6 +17,7 @@ trace) are not made; the guards of the traced layer are applied to the copy by r
 from __future__ import annotations
 
 import contextlib
+import functools
 import types
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -40,6 +41,7 @@ class Reads:
     held: dict[int, set[str]] = field(default_factory=dict)
     values: set[int] = field(default_factory=set)  # ids of real tensors whose values the trace read (``int(self.reps)``)
     written: dict[int, set[str]] = field(default_factory=dict)  # attributes the traced code assigned, by module ``__dict__``
+    functions: list[Any] = field(default_factory=list)  # the call's function arguments: the code the trace ran (their globals)
 
     def of_module(self, module: torch.nn.Module) -> set[str]:
         return self.modules.get(id(vars(module)), set())
@@ -49,6 +51,23 @@ class Reads:
 
     def written_on(self, module: torch.nn.Module) -> set[str]:
         return self.written.get(id(vars(module)), set())
+
+
+def argument_functions(arguments: Any) -> list[Any]:
+    """The functions among a call's arguments (and in their lists, tuples and dicts): plain
+    functions, bound methods and ``functools.partial`` objects, whose code the trace runs and whose
+    globals it may read (``fxflops/situation_code.py`` guards those as the model's own code's)."""
+    found, todo = [], [(arguments, 0)]
+    while todo:
+        value, depth = todo.pop()
+        if isinstance(value, (types.FunctionType, types.MethodType, functools.partial)):
+            found.append(value)
+        elif depth <= _ARGUMENT_DEPTH and isinstance(value, (dict, list, tuple)):
+            todo.extend((v, depth + 1) for v in (value.values() if isinstance(value, dict) else value))
+    return found
+
+
+_ARGUMENT_DEPTH = 3  # containers inside the call's arguments looked into for functions
 
 
 def held_objects(model: torch.nn.Module, depth: int = 3) -> dict[int, Any]:

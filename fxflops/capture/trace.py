@@ -38,7 +38,7 @@ from fxflops.capture.inputs import DimSpec, Path, bind_call, held_ints, is_metad
 from fxflops.capture.isolation import isolated_call, preserving_state, twin_of
 from fxflops.capture.lifting import Lifted, install_stand_ins, lifted_paths
 from fxflops.capture.randomness import RandomDraw, refusing_random_draws
-from fxflops.capture.reads import Reads, recording_reads
+from fxflops.capture.reads import Reads, argument_functions, recording_reads
 from fxflops.capture.reuse import LayerCalledTwice, Reuse, reusing_repeated_layers
 from fxflops.capture.scope import capture_scope
 from fxflops.capture.shape_env import BlamingShapeEnv
@@ -231,7 +231,7 @@ def capture(
     # the graph's inputs: the call's tensors and symbolic integers in call order (capture/graph.py)
     slots = {name: _Slot((name,)) for name in symbolic}
     leaves = pytree.tree_leaves(with_arguments(model.forward, args, kwargs, slots))
-    reads = Reads()
+    reads = Reads(functions=argument_functions(named))
 
     def traced() -> tuple[_Trace, list[DimSpec]]:
         with capture_scope(), _attaching(reads):
