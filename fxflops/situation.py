@@ -15,7 +15,9 @@ sizes meet its guards. The situation has three parts, checked on every counted c
   read): ``training`` flags and every other plain attribute the trace read from a module or from an
   object a module holds (``config._attn_implementation``), which parameters require grad (programs
   traced with grad enabled), and the model's structure: the identity of every module, parameter and
-  buffer, their shapes, dtypes and devices, and the number of hooks.
+  buffer, their shapes, dtypes and devices, and the number of hooks. The modules a module holds
+  without registering them (a distillation teacher in ``__dict__``, modules in a dict attribute:
+  ``capture/reads.py``'s ``named_modules``) are the model's here as the registered ones are.
 
 The first two are tuples compared as dictionary keys (a call in a situation seen before is
 recognised by generated tests instead, without building its key: ``CallKeys.check``). The model state is a generated Python function
@@ -44,7 +46,7 @@ import torch.nn.utils.stateless
 
 from fxflops.analysis.paths import inside, moved
 from fxflops.call_keys import SCALARS, described_layout, value_key
-from fxflops.capture.reads import Reads
+from fxflops.capture.reads import Reads, module_at, named_modules
 from fxflops.errors import InputError
 from fxflops.situation_code import CodeRead, code_reads, copied, importable, plain
 
@@ -151,7 +153,7 @@ class Structure:
             module.register_module_parameter_registration_hook(self._registered)
             module.register_module_buffer_registration_hook(self._registered)
             self._installed = True
-        for m in model.modules():
+        for _, m in named_modules(model):
             if self._tracked.get(id(m), _dead)() is not m:
                 self._tracked[id(m)] = weakref.ref(m, functools.partial(self._forget, id(m)))
 
@@ -247,7 +249,7 @@ class StateGuard:
 
     def owner(self, model: torch.nn.Module) -> Any:
         """The object holding the attribute (KeyError/AttributeError when gone)."""
-        owner = model.get_submodule(self.path)
+        owner = module_at(model, self.path)
         for name in self.held.split(".") if self.held is not None else ():
             owner = vars(owner)[name]
         return owner
@@ -280,7 +282,7 @@ class ModelState:
     ) -> None:
         self.model = model
         self.guards = _guards_from(model, reads, copies, constants)
-        self.called = {path: set(reads.of_module(m)) for path, m in model.named_modules() if reads.of_module(m)}
+        self.called = {path: set(reads.of_module(m)) for path, m in named_modules(model) if reads.of_module(m)}
         self.functions = reads.functions  # the call's function arguments: their globals are read too
         self.requires_grad = {n: p.requires_grad for n, p in model.named_parameters()} if grad else {}
         self._bind()
@@ -345,7 +347,7 @@ class ModelState:
             nn_module._global_forward_pre_hooks, nn_module._global_forward_hooks,
             nn_module._global_backward_pre_hooks, nn_module._global_backward_hooks,
         )]
-        for path, m in self.model.named_modules(remove_duplicate=False):
+        for path, m in named_modules(self.model):
             tensors = tuple(
                 (name, id(t), t.dtype, tuple(t.shape), t.device, _hook_ids(t._backward_hooks, getattr(t, "_post_accumulate_grad_hooks", None)))
                 if t is not None else (name, None)
@@ -366,7 +368,7 @@ class ModelState:
             return False
         try:
             return self._check()
-        except (KeyError, AttributeError, ValueError):  # an attribute or global the trace read was deleted, a cell emptied
+        except (KeyError, AttributeError, IndexError, ValueError):  # an attribute, module or global the trace read was deleted, a cell emptied
             return False
 
     def mismatch(self) -> str:
@@ -438,7 +440,7 @@ class _AsLoaded:
 def _guards_from(model: torch.nn.Module, reads: Reads, copies: dict[str, str], constants: set[int]) -> list[StateGuard]:
     """A guard per attribute the trace read (or would have read, in a copied layer), with the value
     it has on the real model after the capture."""
-    modules = dict(model.named_modules(remove_duplicate=False))
+    modules = dict(named_modules(model))
     sources = [(path, reads.of_module(m)) for path, m in modules.items() if reads.of_module(m)]
     for copy, template in copies.items():
         sources += [

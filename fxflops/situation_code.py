@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from fxflops.call_keys import SCALARS
+from fxflops.capture.reads import module_at
 
 MAX_FUNCTIONS = 512  # functions followed per model: the guards stay cheap, a huge code base is cut short
 MAX_COMPARED = 1024  # values of a module-level container compared per call (a larger one: by identity)
@@ -98,8 +99,8 @@ def _called_methods(model: torch.nn.Module, called: dict[str, set[str]]) -> Iter
     classes define (methods, properties, static and class methods; not torch's own classes')."""
     for path, names in called.items():
         try:
-            module = model.get_submodule(path)
-        except AttributeError:
+            module = module_at(model, path)
+        except (AttributeError, KeyError, IndexError, ValueError):  # gone since
             continue
         for name in names:
             held = vars(module).get(name)

@@ -450,3 +450,53 @@ def test_defaults_replaced_or_changed_in_place_are_another_key():
     finally:
         function.__defaults__ = original
         del original[1][1:]
+
+
+class Teacher(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+        self.depth = 3
+
+    def forward(self, x):
+        for layer in self.layers[: self.depth]:
+            x = layer(x)
+        self.last = x  # the code keeps what it computed: never a capture's fake
+        return x
+
+
+class Student(nn.Module):
+    """A distillation student holding its teacher unregistered (out of ``parameters()``)."""
+
+    def __init__(self, teacher: Teacher, helper: Teacher) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.__dict__["teacher"] = teacher
+        self.helpers = {"aux": helper}
+
+    def forward(self, x):
+        with torch.no_grad():
+            target = self.teacher(x) + self.helpers["aux"](x)
+        return self.fc(x) - target
+
+
+@pytest.mark.parametrize("backward", [False, True])
+def test_modules_held_unregistered_are_the_programs_state_too(backward):
+    teacher, helper = Teacher(), Teacher()
+    model = Student(teacher, helper)
+    wrapper = fxflops.instrument(model, backward=backward)
+    _check(wrapper, model, backward, "traced")
+    assert not isinstance(teacher.last, torch._subclasses.FakeTensor)
+    changes = [
+        ("the teacher's attribute", lambda: setattr(teacher, "depth", 1)),
+        ("a layer appended to the teacher", lambda: (teacher.layers.append(nn.Linear(8, 8)), setattr(teacher, "depth", 4))),
+        ("a teacher layer replaced by a wider one", lambda: (teacher.layers.__setitem__(0, nn.Linear(8, 16)), teacher.layers.__setitem__(1, nn.Linear(16, 8)))),
+        ("the dict-held helper's attribute", lambda: setattr(helper, "depth", 2)),
+        ("the dict-held helper replaced", lambda: model.helpers.__setitem__("aux", Teacher())),
+        # a hook fires no registration hook: caught at the next Meter.step(), as on registered modules
+        ("a hook on the teacher, then a step", lambda: (teacher.layers[2].register_forward_hook(lambda m, i, o: o @ torch.ones(8, 8)), wrapper.flops.step())),
+        ("a hook on the held helper, then a step", lambda: (model.helpers["aux"].layers[0].register_forward_hook(lambda m, i, o: o @ torch.ones(8, 8)), wrapper.flops.step())),
+    ]
+    for label, change in changes:
+        change()
+        _check(wrapper, model, backward, label)

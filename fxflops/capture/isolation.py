@@ -8,7 +8,8 @@ repeated layers, and settings into configs. None of that may reach the user's ob
 would reach the next real forward, counters would count twice, and another thread running the same
 model meanwhile (an evaluation thread) would compute with fake weights.
 
-- :func:`twin_of` gives each trace its own copy of the model's module tree: every module a new object
+- :func:`twin_of` gives each trace its own copy of the model's module tree (with the modules it holds
+  unregistered, ``capture/reads.py``'s :func:`named_modules`): every module a new object
   of its class whose attributes are the original's, its containers (``_parameters``, ``_buffers``,
   ``_modules``, hook dicts, lists) copied one level and pointing to the twins of the tree's modules,
   sharing every tensor; the plain objects the modules hold (configs, two levels deep,
@@ -50,7 +51,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-from fxflops.capture.reads import held_objects
+from fxflops.capture.reads import held_objects, named_modules
 from fxflops.errors import CaptureError
 
 _MISSING = object()
@@ -189,7 +190,7 @@ def restore_all(restorers: list[Restorer]) -> None:
 @contextlib.contextmanager
 def preserving_state(model: torch.nn.Module, extra: list[Any] = ()) -> Iterator[None]:
     """The model's modules and held objects (and ``extra`` objects) exactly as before, after the block."""
-    objects = {id(m): m for m in model.modules()} | held_objects(model) | {id(o): o for o in extra}
+    objects = {id(m): m for _, m in named_modules(model)} | held_objects(model) | {id(o): o for o in extra}
     saved = [r for obj in objects.values() for r in saved_object(obj)]
     try:
         yield
@@ -207,7 +208,7 @@ class Twin:
 
 def twin_of(model: torch.nn.Module) -> Twin:
     """A copy of ``model``'s modules and held objects for one trace to run on and write to."""
-    objects = {id(m): m for m in model.modules()} | held_objects(model)
+    objects = {id(m): m for _, m in named_modules(model)} | held_objects(model)
     copies = {key: twin for key, obj in objects.items() if (twin := _blank(obj)) is not None}
     for key, twin in copies.items():
         vars(twin).update({name: _owned(value, copies) for name, value in vars(objects[key]).items()})

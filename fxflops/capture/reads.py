@@ -70,12 +70,68 @@ def argument_functions(arguments: Any) -> list[Any]:
 _ARGUMENT_DEPTH = 3  # containers inside the call's arguments looked into for functions
 
 
+def named_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """The model's modules by path: its registered ones (``named_modules``, duplicates kept), then
+    the modules its modules hold without registering them and theirs, transitively: one set in the
+    ``__dict__`` (``self.__dict__["teacher"] = teacher``, a frozen distillation teacher kept out of
+    ``parameters()``) or in a dict, list or tuple there (``self.helpers = {"t": t}``), at paths such as
+    ``teacher.layers.0`` and ``helpers.t`` (:func:`module_at` resolves them). The code runs them as
+    it runs the registered ones: their attributes, structure and hooks are the program's state too."""
+    found = list(model.named_modules(remove_duplicate=False))
+    seen = {id(m) for _, m in found}
+    todo = list(found)
+    while todo:
+        path, module = todo.pop(0)
+        for name, value in list(vars(module).items()):
+            if name in _MODULE_SLOTS:  # the registered ones: found above
+                continue
+            for where, held in _held_modules(value, f"{path}.{name}" if path else name, _HELD_MODULE_DEPTH):
+                if id(held) not in seen:
+                    inner = [(f"{where}.{p}" if p else where, m) for p, m in held.named_modules(remove_duplicate=False)]
+                    seen.update(id(m) for _, m in inner)
+                    found += inner
+                    todo += inner
+    return found
+
+
+_MODULE_SLOTS = frozenset({"_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"})
+_HELD_MODULE_DEPTH = 2  # containers inside containers of a module's __dict__ looked into for modules
+
+
+def _held_modules(value: Any, path: str, depth: int) -> Iterator[tuple[str, torch.nn.Module]]:
+    if isinstance(value, torch.nn.Module):
+        yield path, value
+    elif depth > 0 and type(value) in (dict, list, tuple):
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for key, item in items:
+            if isinstance(key, (str, int)) and "." not in str(key):
+                yield from _held_modules(item, f"{path}.{key}", depth - 1)
+
+
+def module_at(model: torch.nn.Module, path: str) -> torch.nn.Module:
+    """The module at a :func:`named_modules` path: each step a registered submodule, else an
+    attribute of the module's ``__dict__``, an item of a dict (by key) or of a list or tuple (by
+    index). Raises KeyError, AttributeError, IndexError or ValueError when it is gone."""
+    found: Any = model
+    for part in path.split(".") if path else ():
+        if isinstance(found, torch.nn.Module):
+            modules = found._modules
+            found = modules[part] if part in modules else vars(found)[part]
+        elif isinstance(found, dict):
+            found = found[part] if part in found else found[int(part)]
+        else:
+            found = found[int(part)]
+    if not isinstance(found, torch.nn.Module):
+        raise AttributeError(f"{path} is no longer a module")
+    return found
+
+
 def held_objects(model: torch.nn.Module, depth: int = 3) -> dict[int, Any]:
     """The plain Python objects (not modules, tensors, functions or builtins) held as attributes by
     the model's modules, and by those objects, ``depth`` levels deep: configs, their sub-configs
     (``config.text_config``) and what those hold, dataclasses."""
     found: dict[int, Any] = {}
-    frontier: list[Any] = list(model.modules())
+    frontier: list[Any] = [m for _, m in named_modules(model)]
     for _ in range(depth):
         nxt = []
         for holder in frontier:
@@ -106,7 +162,8 @@ def recording_reads(model: torch.nn.Module, reads: Reads, originals: dict[int, A
     def own(obj: Any) -> Any:
         return originals.get(id(obj), obj)
 
-    modules = {id(vars(m)): reads.modules.setdefault(id(vars(own(m))), set()) for m in model.modules()}
+    every = [m for _, m in named_modules(model)]
+    modules = {id(vars(m)): reads.modules.setdefault(id(vars(own(m))), set()) for m in every}
     held = held_objects(model)
     held_names = {key: reads.held.setdefault(id(own(obj)), set()) for key, obj in held.items()}
     classes = {type(obj) for obj in held.values()}
@@ -121,7 +178,7 @@ def recording_reads(model: torch.nn.Module, reads: Reads, originals: dict[int, A
             return original(self, name)
 
         assigning = stack.enter_context(patched(torch.nn.Module, "__setattr__", lambda self, name, value: assign(self, name, value)))
-        written = {id(vars(m)): reads.written.setdefault(id(vars(own(m))), set()) for m in model.modules()}
+        written = {id(vars(m)): reads.written.setdefault(id(vars(own(m))), set()) for m in every}
 
         def assign(self: Any, name: str, value: Any) -> None:
             names = written.get(id(object.__getattribute__(self, "__dict__")))
