@@ -24,8 +24,9 @@ recognised by generated tests instead, without building its key: ``CallKeys.chec
 over the recorded attributes (tens of nanoseconds per attribute); the structure, whose full check
 walks every module, is re-checked only after something was registered on any module anywhere (module,
 parameter and buffer assignments fire torch's global registration hooks, counted by
-:data:`STRUCTURE`) and after every ``Meter.step()`` (what no hook sees: ``param.data = ...``, a hook
-registered on a module). A call in another situation gets its own program, or a clear refusal.
+:data:`STRUCTURE`; a hook registered anywhere moves torch's hook handle counter), and after every
+``Meter.step()`` (what no hook sees: ``param.data = ...``, a hook removed). A call in another
+situation gets its own program, or a clear refusal.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from typing import Any
 
 import torch
 import torch.nn.utils.stateless
+from torch.utils.hooks import RemovableHandle
 
 from fxflops.analysis.paths import inside, moved
 from fxflops.call_keys import SCALARS, described_layout, value_key
@@ -136,13 +138,40 @@ def _described(key: Any) -> str:
 class Structure:
     """A count of registrations on the modules of instrumented models (torch's global module,
     parameter and buffer registration hooks, filtered to those modules), plus one per
-    ``Meter.step()``: when it moves, model structures are re-checked. Registrations on other
-    modules (HF decoders slice their ``ModuleList`` on every forward, building a new one) do not count."""
+    ``Meter.step()``, plus one whenever a hook was registered anywhere (torch's hook handle counter,
+    ``RemovableHandle.next_id``, moved): when it moves, model structures are re-checked.
+    Registrations on other modules (HF decoders slice their ``ModuleList`` on every forward, building
+    a new one) do not count. Hook handles made on most calls (a module with full backward hooks
+    registers tensor hooks at every call; FlopCounterMode its global hooks at every use) would make
+    every call a re-check: after :data:`USELESS_RECHECKS` re-checks that a handle caused and that
+    found nothing changed, handles are no longer followed (a hook added is then found at the next
+    ``Meter.step()``). A hook removed (``handle.remove()``) moves no counter: it is found at the next step."""
+
+    USELESS_RECHECKS = 64
 
     def __init__(self) -> None:
-        self.version = 0
+        self._version = 0
         self._installed = False
         self._tracked: dict[int, weakref.ref] = {}  # by id: a module class may define __eq__ without __hash__
+        self._handles = RemovableHandle.next_id
+        self._by_handle = False  # the last move came from a hook handle
+        self.useless = 0  # re-checks a handle caused that found nothing changed
+        self.following_handles = True
+
+    @property
+    def version(self) -> int:
+        """The count now (one attribute load more than a plain counter while handles are followed)."""
+        if self.following_handles and RemovableHandle.next_id != self._handles:
+            self._handles = RemovableHandle.next_id
+            self._version += 1
+            self._by_handle = True
+        return self._version
+
+    def found_unchanged(self) -> None:
+        """A re-check found the structure as it was: a handle made it in vain."""
+        if self._by_handle:
+            self.useless += 1
+            self.following_handles = self.useless < self.USELESS_RECHECKS
 
     def track(self, model: torch.nn.Module) -> None:
         """Count registrations on ``model``'s modules from now on."""
@@ -165,10 +194,12 @@ class Structure:
         """torch's hook for every registration in the process: never raises into the user's code."""
         ref = self._tracked.get(id(module))
         if ref is not None and ref() is module:
-            self.version += 1
+            self._version += 1
+            self._by_handle = False
 
     def bump(self) -> None:
-        self.version += 1
+        self._version += 1
+        self._by_handle = False
 
 
 def _hook_ids(*hook_dicts: Any) -> tuple:
@@ -361,9 +392,13 @@ class ModelState:
 
     def matches(self) -> bool:
         """Whether the model is in the state the program was traced in."""
-        if STRUCTURE.version != self._version:
-            self._version = STRUCTURE.version
-            self._structure_ok = self._snapshot() == self._structure
+        version = STRUCTURE.version
+        if version != self._version:
+            self._version = version
+            ok = self._snapshot() == self._structure
+            if ok and self._structure_ok:
+                STRUCTURE.found_unchanged()
+            self._structure_ok = ok
         if not self._structure_ok:
             return False
         try:

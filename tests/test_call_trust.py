@@ -500,3 +500,43 @@ def test_modules_held_unregistered_are_the_programs_state_too(backward):
     for label, change in changes:
         change()
         _check(wrapper, model, backward, label)
+
+
+@pytest.fixture
+def following_handles(monkeypatch):
+    """Hook handles followed as in a fresh process (earlier tests may have made it stop)."""
+    from fxflops.situation import STRUCTURE
+
+    monkeypatch.setattr(STRUCTURE, "following_handles", True)
+    monkeypatch.setattr(STRUCTURE, "useless", 0)
+    return STRUCTURE
+
+
+@pytest.mark.parametrize("backward", [False, True])
+def test_a_hook_registered_between_calls_is_found_at_once(backward, following_handles):
+    model = Knobs()
+    wrapper = fxflops.instrument(model, backward=backward)
+    _check(wrapper, model, backward, "traced")
+    handle = model.fc.register_forward_hook(lambda m, i, o: o @ torch.ones(8, 8))
+    _check(wrapper, model, backward, "a forward hook added, no step")
+    pre = model.extra.register_forward_pre_hook(lambda m, args: (args[0] @ torch.ones(8, 8),))
+    model.use_extra = True
+    _check(wrapper, model, backward, "a pre-hook on another module and a flag")
+    handle.remove()
+    pre.remove()
+    wrapper.flops.step()  # a removal moves no counter: found at the step
+    _check(wrapper, model, backward, "hooks removed, then a step")
+
+
+def test_handles_made_on_every_call_stop_being_followed(following_handles):
+    model = Knobs()
+    model.fc.register_full_backward_hook(lambda m, gi, go: None)  # tensor hooks at every call
+    wrapper = fxflops.instrument(model, backward=True)
+    for _ in range(following_handles.USELESS_RECHECKS + 8):
+        wrapper(torch.randn(5, 8)).sum().backward()
+    assert not following_handles.following_handles
+    assert wrapper.captures == 1
+    model.extra.register_forward_hook(lambda m, i, o: o @ torch.ones(8, 8))
+    model.use_extra = True  # a flag: found at once; the hook on the module it enables at the step
+    wrapper.flops.step()
+    _check(wrapper, model, True, "after a step")
