@@ -341,6 +341,9 @@ class Instrumented(torch.nn.Module):
         try:
             training = self.backward != "none" and torch.is_grad_enabled() and _requires_grad(out)
             self.flops.add(found[0], self._monomials(*found), training, prefix=self.prefix, phase=phase)
+            state = getattr(found[0], "state", None)
+            if state is not None and not state.settled:  # after the call it was captured for (situation.py)
+                state.settle()
         except Exception as exc:  # noqa: BLE001 - the one fail-open boundary
             self._not_counted(exc)
 

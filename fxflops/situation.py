@@ -368,6 +368,17 @@ class ModelState:
         self._structure = self._snapshot()
         self._version = STRUCTURE.version
         self._structure_ok = True
+        self.settled = False
+
+    def settle(self) -> None:
+        """Take the structure again after the first real call the program counted (the call it was
+        captured for): what that call's own code registered on the real modules (transformers
+        installs its output-capturing hooks on the first forward; the trace did the same on its twin)
+        is the structure the program was traced with, not a change after it."""
+        self._structure = self._snapshot()
+        self._version = STRUCTURE.version
+        self._structure_ok = True
+        self.settled = True
 
     def _snapshot(self) -> tuple:
         """Every module, parameter and buffer by identity (tensors with shape, dtype, device and

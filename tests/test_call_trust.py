@@ -540,3 +540,28 @@ def test_handles_made_on_every_call_stop_being_followed(following_handles):
     model.use_extra = True  # a flag: found at once; the hook on the module it enables at the step
     wrapper.flops.step()
     _check(wrapper, model, True, "after a step")
+
+
+class LazyHooks(nn.Module):
+    """Registers a recording hook on its first forward, as transformers' output capturing does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        if not getattr(self, "_installed", False):
+            self.fc.register_forward_hook(lambda m, i, o: None)  # records nothing here, computes nothing
+            self._installed = True
+        return self.fc(x)
+
+
+def test_hooks_the_first_real_call_installs_are_the_traced_structure(following_handles):
+    model = LazyHooks()
+    wrapper = fxflops.instrument(model)
+    for label in ("traced", "again", "once more"):
+        _check(wrapper, model, False, label)
+    assert wrapper.captures == 1
+    model.fc.register_forward_hook(lambda m, i, o: o @ torch.ones(8, 8))
+    _check(wrapper, model, False, "a user's hook after it: found at once")
+    assert wrapper.captures == 2
