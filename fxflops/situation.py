@@ -371,14 +371,22 @@ class ModelState:
         self.settled = False
 
     def settle(self) -> None:
-        """Take the structure again after the first real call the program counted (the call it was
-        captured for): what that call's own code registered on the real modules (transformers
+        """Take the module hooks again after the first real call the program counted (the call it
+        was captured for): hooks that call's own code registered on the real modules (transformers
         installs its output-capturing hooks on the first forward; the trace did the same on its twin)
-        is the structure the program was traced with, not a change after it."""
-        self._structure = self._snapshot()
-        self._version = STRUCTURE.version
-        self._structure_ok = True
+        are the structure the program was traced with, not a change after it. Only hooks: modules,
+        parameters and buffers as they were before the call (FSDP2 leaves the root's parameters
+        unsharded after a forward, sharded again before the next)."""
         self.settled = True
+        now = self._snapshot()
+        if len(now) != len(self._structure):
+            return
+        settled = [now[0]]  # the global hooks
+        for before, after in zip(self._structure[1:], now[1:]):
+            if before[:4] != after[:4] or before[5] != after[5]:  # anything but the module's hooks
+                return
+            settled.append(after)
+        self._structure = tuple(settled)
 
     def _snapshot(self) -> tuple:
         """Every module, parameter and buffer by identity (tensors with shape, dtype, device and
