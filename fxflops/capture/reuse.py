@@ -163,13 +163,23 @@ _EMPTY = object()
 def _tensor_key(tensor: torch.Tensor) -> tuple:
     """A plain tensor attribute by its metadata and a digest of its values: code may read them
     (``range(int(self.n))``). A tensor whose values cannot be read here (meta, fake, sparse, a
-    subclass) is equal only to itself."""
+    subclass, one whose storage is smaller than it: FSDP2 frees its all-gather buffers between
+    steps) or larger than :data:`_DIGESTED_BYTES` is equal only to itself. The digest reads a copy:
+    ``numpy()`` of the user's own storage would make it non-resizable for good (FSDP2's next
+    all-gather resizes it)."""
     meta = (type(tensor), tuple(tensor.shape), tensor.dtype, tensor.device, tensor.layout, tensor.requires_grad)
     try:
-        data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        size = tensor.numel() * tensor.element_size()
+        extent = tensor.storage_offset() + sum((n - 1) * stride for n, stride in zip(tensor.shape, tensor.stride())) + 1
+        if type(tensor) is not torch.Tensor or size > _DIGESTED_BYTES or tensor.untyped_storage().nbytes() < extent * tensor.element_size():
+            return ("tensor", *meta, id(tensor))
+        data = tensor.detach().to("cpu", copy=True).contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
     except Exception:  # noqa: BLE001 - unreadable values: identity
         return ("tensor", *meta, id(tensor))
     return ("tensor", *meta, hashlib.sha256(data).digest())
+
+
+_DIGESTED_BYTES = 1 << 20  # plain tensor attributes up to this size are compared by value
 
 
 def layer_state(module: torch.nn.Module) -> tuple:
