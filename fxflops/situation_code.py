@@ -173,8 +173,9 @@ def _filled(code: types.CodeType) -> set[str]:
     which only keeps that container compared by identity)."""
     names: set[str] = set()
     for c in _codes(code):
+        instructions = list(dis.get_instructions(c))
         statement: list[dis.Instruction] = []
-        for instruction in [*dis.get_instructions(c), None]:
+        for instruction in [*instructions, None]:
             line = None if instruction is None else _line_of(instruction)
             if instruction is None or (line is not None and statement and line != _line_of(statement[0])):
                 if any(i.opname in _SUBSCRIPT_WRITES for i in statement):
@@ -182,7 +183,6 @@ def _filled(code: types.CodeType) -> set[str]:
                 statement = []
             if instruction is not None:
                 statement.append(instruction)
-        instructions = list(dis.get_instructions(c))
         for loaded, looked_up in zip(instructions, instructions[1:]):
             if loaded.opname in _LOADS and looked_up.opname in ("LOAD_ATTR", "LOAD_METHOD") and looked_up.argval in _MUTATORS:
                 names.add(loaded.argval)

@@ -133,6 +133,18 @@ def flop_counter_call(model: torch.nn.Module, args: tuple, kwargs: dict, backwar
     return counter.get_total_flops()
 
 
+def assert_counted_call(wrapper, model: torch.nn.Module, args: tuple, backward: bool, label: object, kwargs: dict | None = None) -> None:
+    """One call of ``wrapper`` (its backward too with ``backward``: ``.sum().backward()`` of its
+    output), counted with nothing uncounted and equal to :func:`flop_counter_call` of ``model``."""
+    kwargs = kwargs or {}
+    wrapper.flops.reset()
+    out = wrapper(*args, **kwargs)
+    if backward:
+        out.sum().backward()
+    assert wrapper.flops.uncounted == 0, label
+    assert wrapper.flops.total() == flop_counter_call(model, args, kwargs, backward=backward), label
+
+
 def training_reference_total(model: torch.nn.Module, *args) -> int:
     """FLOPs of forward + ``loss.backward()`` (loss = sum of the float outputs) from FlopCounterMode,
     with CPU attention counted and grouped convolutions degrouped (see above)."""

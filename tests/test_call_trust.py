@@ -22,7 +22,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import fxflops
-from reference import flop_counter_call
+from reference import assert_counted_call, flop_counter_call
 
 
 class Knobs(nn.Module):
@@ -45,13 +45,7 @@ class Knobs(nn.Module):
 
 
 def _check(wrapper, model, backward: bool, label: str) -> None:
-    x = torch.randn(5, 8)
-    wrapper.flops.reset()
-    out = wrapper(x)
-    if backward:
-        out.sum().backward()
-    assert wrapper.flops.uncounted == 0, label
-    assert wrapper.flops.total() == flop_counter_call(model, (x,), {}, backward), label
+    assert_counted_call(wrapper, model, (torch.randn(5, 8),), backward, label)
 
 
 class _Shadow(Knobs):

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 import fxflops
-from reference import flop_counter_call
+from reference import assert_counted_call, flop_counter_call
 
 
 class Small(nn.Module):
@@ -221,13 +221,7 @@ def test_past_max_programs_new_situations_are_measured_whole_and_exact(backward)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for batch, keep in calls:
-            x = torch.randn(batch, 9, 8, requires_grad=backward)
-            wrapper.flops.reset()
-            out = wrapper(x, keep)
-            if backward:
-                out.sum().backward()
-            assert wrapper.flops.total() == flop_counter_call(model, (x, keep), {}, backward=backward), (batch, keep)
-            assert wrapper.flops.uncounted == 0
+            assert_counted_call(wrapper, model, (torch.randn(batch, 9, 8, requires_grad=backward), keep), backward, (batch, keep))
     assert wrapper.captures == 2
     said = [str(w.message) for w in caught if "max_programs" in str(w.message)]
     assert len(said) == 1 and "measured op by op" in said[0] and "keep" in said[0]

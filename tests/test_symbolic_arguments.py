@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import fxflops
-from reference import flop_counter_call, flop_counter_with_cpu_attention
+from reference import assert_counted_call, flop_counter_call, flop_counter_with_cpu_attention
 
 
 class Truncating(nn.Module):
@@ -37,13 +37,7 @@ def test_an_int_argument_named_in_dims_is_a_symbol(backward):
     model = Truncating()
     wrapper = fxflops.instrument(model, dims={"keep": "keep"}, backward=backward, on_miss="recapture")
     for batch, keep in [(3, 5), (2, 3), (4, 8), (2, 9), (3, 1), (2, 7), (3, 4)]:
-        x = torch.randn(batch, 9, 8, requires_grad=backward)
-        wrapper.flops.reset()
-        out = wrapper(x, keep)
-        if backward:
-            out.sum().backward()
-        assert wrapper.flops.total() == flop_counter_call(model, (x, keep), {}, backward=backward), (batch, keep)
-        assert wrapper.flops.uncounted == 0
+        assert_counted_call(wrapper, model, (torch.randn(batch, 9, 8, requires_grad=backward), keep), backward, (batch, keep))
     # one program per side of `keep > 6` (and of `keep == 1`, a size 1), not one per value
     assert wrapper.captures <= 3
     assert all("keep" in {str(s) for s in program.symbols} for program in wrapper.programs)
