@@ -13,7 +13,8 @@ sizes meet its guards. The situation has three parts, checked on every counted c
   scaled-dot-product-attention backends enabled, the MHA fast path, the default dtype.
 - :class:`ModelState`: the model's state the trace depended on (``capture/reads.py`` recorded what it
   read): ``training`` flags and every other plain attribute the trace read from a module or from an
-  object a module holds (``config._attn_implementation``), which parameters require grad (programs
+  object a module holds (``config._attn_implementation``; a list, dict or set the model's code or
+  hooks fill in place, ``self.records.append(...)``, by identity: ``situation_code.filled_attributes``), which parameters require grad (programs
   traced with grad enabled), and the model's structure: the identity of every module, parameter and
   buffer, their shapes, dtypes and devices, and the number of hooks. The modules a module holds
   without registering them (a distillation teacher in ``__dict__``, modules in a dict attribute:
@@ -50,7 +51,7 @@ from fxflops.analysis.paths import inside, moved
 from fxflops.call_keys import SCALARS, described_layout, value_key
 from fxflops.capture.reads import Reads, module_at, named_modules
 from fxflops.errors import InputError
-from fxflops.situation_code import CodeRead, code_reads, copied, importable, plain
+from fxflops.situation_code import CodeRead, code_reads, copied, filled_attributes, importable, plain
 
 
 def _autocast_key() -> tuple:
@@ -312,9 +313,10 @@ class ModelState:
         self, model: torch.nn.Module, reads: Reads, copies: dict[str, str], grad: bool, constants: set[int] = frozenset()
     ) -> None:
         self.model = model
-        self.guards = _guards_from(model, reads, copies, constants)
         self.called = {path: set(reads.of_module(m)) for path, m in named_modules(model) if reads.of_module(m)}
         self.functions = reads.functions  # the call's function arguments: their globals are read too
+        filled = filled_attributes(model, self.called, self.functions)
+        self.guards = _guards_from(model, reads, copies, constants, filled)
         self.requires_grad = {n: p.requires_grad for n, p in model.named_parameters()} if grad else {}
         self._bind()
 
@@ -451,7 +453,9 @@ class ModelState:
     def __getstate__(self) -> dict:
         # a class attribute's value (a method, a property) is the class's own: taken again on load
         guards = [
-            dataclasses.replace(g, expected=_AsLoaded) if g.test == "value" or g.where == "class" and g.test == "is" else g
+            dataclasses.replace(g, expected=_AsLoaded)
+            if g.test == "value" or g.test == "is" and (g.where == "class" or isinstance(g.expected, _FILLED))
+            else g
             for g in self.guards
         ]
         functions = [f for f in self.functions if importable(f)]  # a lambda argument's reads are not saved
@@ -491,9 +495,12 @@ class _AsLoaded:
     a property: the class's own), a tensor's whose value the trace read (a copy's own tensor)."""
 
 
-def _guards_from(model: torch.nn.Module, reads: Reads, copies: dict[str, str], constants: set[int]) -> list[StateGuard]:
+def _guards_from(
+    model: torch.nn.Module, reads: Reads, copies: dict[str, str], constants: set[int], filled: set[str]
+) -> list[StateGuard]:
     """A guard per attribute the trace read (or would have read, in a copied layer), with the value
-    it has on the real model after the capture."""
+    it has on the real model after the capture; a list, dict or set under a name in ``filled`` (the
+    code fills it in place: a log, a cache) by identity."""
     modules = dict(named_modules(model))
     sources = [(path, reads.of_module(m)) for path, m in modules.items() if reads.of_module(m)]
     for copy, template in copies.items():
@@ -508,16 +515,17 @@ def _guards_from(model: torch.nn.Module, reads: Reads, copies: dict[str, str], c
         for name in sorted(names):
             if name in _MODULE_INTERNALS or _registered(module, name):
                 continue  # structure and hooks (the structure check)
-            _attribute_guards(guards, module, name, f"{path or '<root>'}.{name}", path, None, reads, constants, HELD_DEPTH)
+            _attribute_guards(guards, module, name, f"{path or '<root>'}.{name}", path, None, reads, constants, filled, HELD_DEPTH)
     return list(guards.values())
 
 
 HELD_DEPTH = 3  # objects inside objects (a config's sub-config) whose attributes the trace read are guarded
+_FILLED = (list, dict, set)  # containers the code fills in place: compared by identity (``filled_attributes``)
 
 
 def _attribute_guards(
     guards: dict[tuple, StateGuard], obj: Any, name: str, label: str, path: str, held: str | None, reads: Reads,
-    constants: set[int], depth: int,
+    constants: set[int], filled: set[str], depth: int,
 ) -> None:
     """Add the guards on attribute ``name`` of ``obj`` (the module at ``path``, or the object held
     there along the dotted attribute path ``held``), and on the attributes the trace read of the
@@ -535,14 +543,17 @@ def _attribute_guards(
     value = state[name]
     if getattr(value, "fxflops_own", False):
         return  # fxflops' own (a routing probe)
-    guard = _guard(label, path, held, name, value, constants, reads.values)
+    if name in filled and isinstance(value, _FILLED):
+        guard = StateGuard(label, path, held, name, value, "is")
+    else:
+        guard = _guard(label, path, held, name, value, constants, reads.values)
     guards.setdefault(("instance", id(state), name), guard)
     inner = getattr(value, "__dict__", None)
     if inner is None or plain(value) or guard.test != "is" or depth <= 0:
         return  # compared whole (by value or contents), or not an object the trace looked into
     inside = name if held is None else f"{held}.{name}"
     for attribute in sorted(reads.of_held(value)):
-        _attribute_guards(guards, value, attribute, f"{label}.{attribute}", path, inside, reads, constants, depth - 1)
+        _attribute_guards(guards, value, attribute, f"{label}.{attribute}", path, inside, reads, constants, filled, depth - 1)
 
 
 def _guard_key(guard: StateGuard, obj: Any) -> tuple:

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from fxflops.call_keys import SCALARS
-from fxflops.capture.reads import module_at
+from fxflops.capture.reads import module_at, named_modules
 
 MAX_FUNCTIONS = 512  # functions followed per model: the guards stay cheap, a huge code base is cut short
 MAX_COMPARED = 1024  # values of a module-level container compared per call (a larger one: by identity)
@@ -68,30 +68,57 @@ class CodeRead:
 def code_reads(model: torch.nn.Module, called: dict[str, set[str]], functions: list[Any] = ()) -> list[CodeRead]:
     """The globals and closure values the code the capture ran can read (module docstring): the
     methods the trace called on the model's modules (``called``: module path -> attribute names the
-    capture read there, such as ``forward``, ``get_image_features``, a loss function property) and
-    the functions their code names, transitively; and those of ``functions``, the call's function
-    arguments (a ``how=`` callable the forward calls)."""
+    capture read there, such as ``forward``, ``get_image_features``, a loss function property), the
+    modules' hooks, and the functions their code names, transitively; and those of ``functions``, the
+    call's function arguments (a ``how=`` callable the forward calls)."""
     found: dict[tuple[int, str | None], CodeRead] = {}
     filled: set[tuple[int, str | None]] = set()  # containers some function fills in place
+    for fn, reads in _followed(model, called, functions):
+        names = _filled(fn.__code__, _LOADS)
+        for name, read in reads:
+            where = (id(read.namespace), read.key)
+            found.setdefault(where, read)
+            if name in names:
+                filled.add(where)
+    return [
+        dataclasses.replace(read, expected=read.now(), test="is") if where in filled and read.test == "==" and isinstance(read.expected, _MUTABLE) else read
+        for where, read in found.items()
+    ]
+
+
+def filled_attributes(model: torch.nn.Module, called: dict[str, set[str]], functions: list[Any] = ()) -> set[str]:
+    """The attribute names the code the capture ran fills in place (``self.records.append(...)``,
+    ``self.cache[key] = v``, ``module.losses.extend(...)`` in a hook): a log or a cache the model keeps,
+    compared by identity (``situation.py``), or every call that adds to it would be another situation."""
+    return {name for fn, _ in _followed(model, called, functions) for name in _filled(fn.__code__, _ATTRIBUTE_LOADS)}
+
+
+def _followed(
+    model: torch.nn.Module, called: dict[str, set[str]], functions: list[Any]
+) -> Iterator[tuple[types.FunctionType, list[tuple[str, CodeRead]]]]:
+    """The model code the capture ran, with each function's reads: the called methods, the hooks, the
+    call's function arguments, and the functions their globals and closures hold, transitively (up to
+    :data:`MAX_FUNCTIONS`; not library code)."""
     seen: set[int] = set()
-    todo = [*_called_methods(model, called), *(f for value in functions for f in _functions_in(value))]
+    todo = [
+        *_called_methods(model, called), *_hooks(model), *(f for value in functions for f in _functions_in(value)),
+    ]
     while todo and len(seen) < MAX_FUNCTIONS:
         fn = todo.pop()
         if id(fn) in seen or _is_library(fn):
             continue
         seen.add(id(fn))
-        names = _filled(fn.__code__)
-        for name, read in _reads_of(fn):
-            where = (id(read.namespace), read.key)
-            found.setdefault(where, read)
-            if name in names:
-                filled.add(where)
-            if isinstance(read.expected, types.FunctionType):
-                todo.append(read.expected)
-    return [
-        dataclasses.replace(read, expected=read.now(), test="is") if where in filled and read.test == "==" and isinstance(read.expected, _MUTABLE) else read
-        for where, read in found.items()
-    ]
+        reads = list(_reads_of(fn))
+        yield fn, reads
+        todo += [read.expected for _, read in reads if isinstance(read.expected, types.FunctionType)]
+
+
+def _hooks(model: torch.nn.Module) -> Iterator[types.FunctionType]:
+    """The functions of the hooks on the model's modules (a hook runs in the call as its module's code does)."""
+    for _, module in named_modules(model):
+        for hooks in (module._forward_pre_hooks, module._forward_hooks, module._backward_pre_hooks, module._backward_hooks):
+            for hook in list(hooks.values()):
+                yield from _functions_in(hook)
 
 
 def _called_methods(model: torch.nn.Module, called: dict[str, set[str]]) -> Iterator[types.FunctionType]:
@@ -158,6 +185,7 @@ def _written(code: types.CodeType) -> set[str]:
 
 
 _LOADS = frozenset({"LOAD_GLOBAL", "LOAD_NAME", "LOAD_DEREF", "LOAD_CLASSDEREF"})
+_ATTRIBUTE_LOADS = frozenset({"LOAD_ATTR"})
 _SUBSCRIPT_WRITES = frozenset({"STORE_SUBSCR", "DELETE_SUBSCR"})
 _MUTATORS = frozenset({
     "append", "extend", "insert", "pop", "popitem", "remove", "clear", "update", "setdefault", "add", "discard",
@@ -166,9 +194,10 @@ _MUTATORS = frozenset({
 })
 
 
-def _filled(code: types.CodeType) -> set[str]:
-    """The globals and closure variables the code changes in place: a name whose mutating method it
-    looks up (``CACHE.setdefault``, ``SEEN.add(...)``), and every name it loads in a statement that
+def _filled(code: types.CodeType, loads: frozenset[str]) -> set[str]:
+    """The names (loaded by one of ``loads``: globals and closure variables, or attributes) the code
+    changes in place: a name whose mutating method it looks up (``CACHE.setdefault``,
+    ``SEEN.add(...)``, ``self.records.append``), and every such name it loads in a statement that
     assigns or deletes a subscript (``CACHE[key] = v``; conservatively also ``out[CONFIG["i"]] = v``,
     which only keeps that container compared by identity)."""
     names: set[str] = set()
@@ -179,12 +208,12 @@ def _filled(code: types.CodeType) -> set[str]:
             line = None if instruction is None else _line_of(instruction)
             if instruction is None or (line is not None and statement and line != _line_of(statement[0])):
                 if any(i.opname in _SUBSCRIPT_WRITES for i in statement):
-                    names.update(i.argval for i in statement if i.opname in _LOADS)
+                    names.update(i.argval for i in statement if i.opname in loads)
                 statement = []
             if instruction is not None:
                 statement.append(instruction)
         for loaded, looked_up in zip(instructions, instructions[1:]):
-            if loaded.opname in _LOADS and looked_up.opname in ("LOAD_ATTR", "LOAD_METHOD") and looked_up.argval in _MUTATORS:
+            if loaded.opname in loads and looked_up.opname in ("LOAD_ATTR", "LOAD_METHOD") and looked_up.argval in _MUTATORS:
                 names.add(loaded.argval)
     return names
 

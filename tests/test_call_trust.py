@@ -378,6 +378,45 @@ def test_set_arguments_and_attributes_are_compared_by_contents():
     call("and back")
 
 
+class Logging(nn.Module):
+    """Keeps logs and a cache its own code and a hook fill on every call, and a list setting it reads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+        self.records: list = []  # the forward appends to it
+        self.norms: dict = {}  # the forward fills it by subscript
+        self.seen: list = []  # a hook extends it
+        self.order = [0, 1, 2]  # a setting: read, never filled by the code
+        self.register_forward_hook(lambda module, args, out: module.seen.extend(out.shape))
+
+    def forward(self, x):
+        for i in self.order:
+            x = self.layers[i](x)
+            self.records.append(x.shape[0])
+            self.norms[len(self.norms)] = float(x.shape[-1])
+        if len(self.order) > 5:  # a branch on the setting's length: a list changed in place is another situation
+            x = x * 2
+        return x
+
+
+@pytest.mark.parametrize("backward", [False, True])
+def test_logs_and_caches_the_code_fills_are_not_a_new_situation(backward):
+    model = Logging()
+    wrapper = fxflops.instrument(model, backward=backward)
+    for n in range(2, 6):
+        assert_counted_call(wrapper, model, (torch.randn(n, 8),), backward, f"batch {n}")
+    assert wrapper.captures == 1, "a log appended to by the forward or a hook made another situation"
+    assert len(model.records) > 0 and len(model.seen) > 0
+    model.order.remove(1)  # the setting changed in place: another situation
+    assert_counted_call(wrapper, model, (torch.randn(4, 8),), backward, "the setting changed")
+    model.order[:] = [0, 1, 2, 0, 1, 2]
+    assert_counted_call(wrapper, model, (torch.randn(4, 8),), backward, "the setting lengthened past the branch")
+    assert wrapper.captures == 3
+    model.records = []  # a log replaced by a fresh one: another object, another program (never stale)
+    assert_counted_call(wrapper, model, (torch.randn(4, 8),), backward, "the log replaced")
+
+
 TIMES = 1  # a setting a function passed to the forward reads
 
 
