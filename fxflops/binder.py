@@ -274,8 +274,8 @@ class Binder:
             lines.append(f"    _k{j} = {keys}")
             lines.append(f"    if _q{j}.shape[1] != _k{j}: _q{j} = _q{j}[:, :_k{j}]")
             lines.append(f"    _w{j} = _binder.pair_weights(_k{j}, {queries}, {offset}, _q{j}.device, {window})")
-            lines.append(f"    {var[sym]} = ((_q{j} != 0).sum(0) * _w{j}).sum()")
-            lines.append(f"    if _q{j}.is_cpu and _binder.host_metadata: {var[sym]} = int({var[sym]})")
+            lines.append(f"    if _q{j}.is_cpu and _binder.host_metadata: {var[sym]} = int(torch.count_nonzero(_q{j}, 0).dot(_w{j}))")
+            lines.append(f"    else: {var[sym]} = ((_q{j} != 0).sum(0) * _w{j}).sum()")
         return lines
 
     def _run_lines(

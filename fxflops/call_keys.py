@@ -23,6 +23,7 @@ import enum
 import functools
 import inspect
 import types
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -146,6 +147,8 @@ def _opaque_key(value: Any, shapes: bool) -> Any:
     - an iterator (a generator): its type (a capture never consumes one: the code reading it is measured);
     - anything else (a module, a builtin, an extension object): its identity."""
     kind = type(value)
+    if isinstance(value, torch.nn.Module):  # its attributes and structure are the model state's (situation.py)
+        return (kind, id(value))
     if isinstance(value, functools.partial):
         return (kind, _key(value.func, shapes, None), _key(value.args, True, None), _key(value.keywords, True, None))
     if isinstance(value, types.FunctionType):
@@ -187,10 +190,16 @@ def _is_array(value: Any) -> bool:
 
 def _slot_values(value: Any) -> list[tuple[str, Any]] | None:
     """(name, value) of an object's ``__slots__`` (its class and bases), or None without slots."""
-    names = [n for cls in type(value).__mro__ for n in _slot_names(cls) if n not in ("__dict__", "__weakref__")]
+    kind = type(value)
+    names = _SLOTS.get(kind)
+    if names is None:  # a class's slots are fixed when it is made: found once per class
+        names = _SLOTS[kind] = tuple(n for cls in kind.__mro__ for n in _slot_names(cls) if n not in ("__dict__", "__weakref__"))
     if not names:
         return None
     return [(n, getattr(value, n, None)) for n in names]
+
+
+_SLOTS: weakref.WeakKeyDictionary[type, tuple[str, ...]] = weakref.WeakKeyDictionary()
 
 
 def _slot_names(cls: type) -> tuple[str, ...]:

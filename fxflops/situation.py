@@ -26,12 +26,14 @@ over the recorded attributes (tens of nanoseconds per attribute); the structure,
 walks every module, is re-checked only after something was registered on any module anywhere (module,
 parameter and buffer assignments fire torch's global registration hooks, counted by
 :data:`STRUCTURE`; a hook registered anywhere moves torch's hook handle counter), and after every
-``Meter.step()`` (what no hook sees: ``param.data = ...``, a hook removed). A call in another
-situation gets its own program, or a clear refusal.
+``Meter.step()`` (what no hook sees: ``param.data = ...``); a module hook removed is found at the
+next call by the size of the hook dicts that held hooks. A call in another situation gets its own
+program, or a clear refusal.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import itertools
@@ -146,7 +148,8 @@ class Structure:
     registers tensor hooks at every call; FlopCounterMode its global hooks at every use) would make
     every call a re-check: after :data:`USELESS_RECHECKS` re-checks that a handle caused and that
     found nothing changed, handles are no longer followed (a hook added is then found at the next
-    ``Meter.step()``). A hook removed (``handle.remove()``) moves no counter: it is found at the next step."""
+    ``Meter.step()``). A hook removed (``handle.remove()``) moves no counter: each model state checks
+    the sizes of the module hook dicts that held hooks (``ModelState._take_hook_counts``)."""
 
     USELESS_RECHECKS = 64
 
@@ -206,6 +209,13 @@ class Structure:
 def _hook_ids(*hook_dicts: Any) -> tuple:
     """The hooks of each dict by identity (a hook replaced by another one is another structure)."""
     return tuple(tuple(map(id, hooks.values())) if hooks else () for hooks in hook_dicts)
+
+
+def _not_torchs(hooks: dict) -> dict:
+    """The global module hooks that are not torch's own tools' (FlopCounterMode's module tracker
+    registers its global hooks on entering and removes them on leaving; they compute nothing): a
+    user's FlopCounterMode around a first call is not part of the structure that call was traced in."""
+    return {k: h for k, h in hooks.items() if not (getattr(getattr(h, "__func__", h), "__module__", None) or "").startswith("torch.")}
 
 
 def _dead() -> None:
@@ -368,6 +378,7 @@ class ModelState:
         exec(compile("\n".join(lines) + "\n", "<fxflops model state>", "exec"), scope)  # noqa: S102 - our own code
         self._check: Callable[[], bool] = scope["check"]
         self._structure = self._snapshot()
+        self._take_hook_counts()
         self._version = STRUCTURE.version
         self._structure_ok = True
         self.settled = False
@@ -389,16 +400,30 @@ class ModelState:
                 return
             settled.append(after)
         self._structure = tuple(settled)
+        self._take_hook_counts()
+
+    def _take_hook_counts(self) -> None:
+        """The model's module hook dicts holding hooks now and their sizes: a hook removed
+        (``handle.remove()``, which moves no counter) is found at the next call by its dict's size. A
+        hook added where there was none moves the handle counter. Not the global hook dicts: tools
+        (FlopCounterMode's module tracker, profilers) add and remove theirs around a call."""
+        dicts = []
+        for _, m in named_modules(self.model):
+            dicts += [d for d in (m._forward_pre_hooks, m._forward_hooks, m._backward_pre_hooks, m._backward_hooks) if d]
+        self._hooks = tuple(dicts)
+        self._hook_counts = tuple(map(len, dicts))
 
     def _snapshot(self) -> tuple:
         """Every module, parameter and buffer by identity (tensors with shape, dtype, device and
         their gradient hooks), the hooks and forward overrides: the structure the program was traced on."""
         from torch.nn.modules import module as nn_module
 
-        rows: list[Any] = [_hook_ids(
-            nn_module._global_forward_pre_hooks, nn_module._global_forward_hooks,
-            nn_module._global_backward_pre_hooks, nn_module._global_backward_hooks,
-        )]
+        rows: list[Any] = [_hook_ids(*(
+            _not_torchs(hooks) for hooks in (
+                nn_module._global_forward_pre_hooks, nn_module._global_forward_hooks,
+                nn_module._global_backward_pre_hooks, nn_module._global_backward_hooks,
+            )
+        ))]
         for path, m in named_modules(self.model):
             tensors = tuple(
                 (name, id(t), t.dtype, tuple(t.shape), t.device, _hook_ids(t._backward_hooks, getattr(t, "_post_accumulate_grad_hooks", None)))
@@ -417,10 +442,12 @@ class ModelState:
         if version != self._version:
             self._version = version
             ok = self._snapshot() == self._structure
-            if ok and self._structure_ok:
-                STRUCTURE.found_unchanged()
+            if ok:
+                self._take_hook_counts()  # the same hooks, maybe in dicts made anew
+                if self._structure_ok:
+                    STRUCTURE.found_unchanged()
             self._structure_ok = ok
-        if not self._structure_ok:
+        if not self._structure_ok or tuple(map(len, self._hooks)) != self._hook_counts:
             return False
         try:
             return self._check()
@@ -592,6 +619,8 @@ def _guard(label: str, path: str, held: str | None, key: str, value: Any, consta
         return StateGuard(label, path, held, key, value, "is")
     if plain(value):
         return StateGuard(label, path, held, key, copied(value), "==")
+    if _modules_and_plain(value):  # transformers' per-layer ``_kernel_funcs``: compared item by item, modules by identity
+        return StateGuard(label, path, held, key, copy.copy(value), "==")
     if isinstance(value, (torch.Tensor, list, tuple, dict, set, frozenset)):
         used = any(isinstance(t, torch.Tensor) and id(t) in constants for t in _leaves(value))
         return StateGuard(label, path, held, key, value_key(value, used), "shapes" if used else "key")
@@ -601,6 +630,16 @@ def _guard(label: str, path: str, held: str | None, key: str, value: Any, consta
         except InputError:  # too large to compare per call (a big array): by identity
             pass
     return StateGuard(label, path, held, key, value, "is")
+
+
+def _modules_and_plain(value: Any) -> bool:
+    """A small list, tuple or dict of modules and plain values (their own state is the structure
+    check's): ``==`` on a shallow copy compares it exactly, without keying each item."""
+    if not isinstance(value, (list, tuple, dict)) or len(value) > 64:
+        return False
+    items = value.values() if isinstance(value, dict) else value
+    keys_plain = not isinstance(value, dict) or all(plain(k, 0) for k in value)
+    return keys_plain and all(isinstance(v, torch.nn.Module) or plain(v) for v in items)
 
 
 def _by_contents(value: Any) -> bool:

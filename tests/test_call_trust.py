@@ -555,10 +555,26 @@ def test_a_hook_registered_between_calls_is_found_at_once(backward, following_ha
     pre = model.extra.register_forward_pre_hook(lambda m, args: (args[0] @ torch.ones(8, 8),))
     model.use_extra = True
     _check(wrapper, model, backward, "a pre-hook on another module and a flag")
-    handle.remove()
+    handle.remove()  # a removal moves no counter: found by the hook dicts' sizes, at the next call
+    _check(wrapper, model, backward, "the forward hook removed, no step")
     pre.remove()
-    wrapper.flops.step()  # a removal moves no counter: found at the step
-    _check(wrapper, model, backward, "hooks removed, then a step")
+    _check(wrapper, model, backward, "the pre-hook removed, no step")
+    model.fc.register_forward_hook(lambda m, i, o: o @ torch.ones(8, 8))
+    _check(wrapper, model, backward, "a hook added again, no step")
+
+
+def test_a_hook_removed_is_found_at_the_next_call_when_handles_are_not_followed(monkeypatch):
+    from fxflops.situation import STRUCTURE
+
+    monkeypatch.setattr(STRUCTURE, "following_handles", False)
+    model = Knobs()
+    handles = [model.fc.register_forward_hook(lambda m, i, o: o @ torch.ones(8, 8)) for _ in range(2)]
+    wrapper = fxflops.instrument(model, backward=True)
+    _check(wrapper, model, True, "two computing hooks")
+    handles.pop().remove()
+    _check(wrapper, model, True, "one removed")
+    handles.pop().remove()
+    _check(wrapper, model, True, "both removed")
 
 
 def test_handles_made_on_every_call_stop_being_followed(following_handles):
