@@ -14,7 +14,7 @@ sizes meet its guards. The situation has three parts, checked on every counted c
 - :class:`ModelState`: the model's state the trace depended on (``capture/reads.py`` recorded what it
   read): ``training`` flags and every other plain attribute the trace read from a module or from an
   object a module holds (``config._attn_implementation``; a list, dict or set the model's code or
-  hooks fill in place, ``self.records.append(...)``, by identity: ``situation_code.filled_attributes``), which parameters require grad (programs
+  hooks fill in place, ``self.records.append(...)``, by identity: ``situation_code.code_reads``), which parameters require grad (programs
   traced with grad enabled), and the model's structure: the identity of every module, parameter and
   buffer, their shapes, dtypes and devices, and the number of hooks. The modules a module holds
   without registering them (a distillation teacher in ``__dict__``, modules in a dict attribute:
@@ -53,7 +53,7 @@ from fxflops.analysis.paths import inside, moved
 from fxflops.call_keys import SCALARS, described_layout, value_key
 from fxflops.capture.reads import Reads, module_at, named_modules
 from fxflops.errors import InputError
-from fxflops.situation_code import CodeRead, code_reads, copied, filled_attributes, importable, plain
+from fxflops.situation_code import CodeRead, code_reads, copied, importable, plain
 
 
 def _autocast_key() -> tuple:
@@ -325,13 +325,14 @@ class ModelState:
         self.model = model
         self.called = {path: set(reads.of_module(m)) for path, m in named_modules(model) if reads.of_module(m)}
         self.functions = reads.functions  # the call's function arguments: their globals are read too
-        filled = filled_attributes(model, self.called, self.functions)
+        code, filled = code_reads(model, self.called, self.functions)  # globals and closures of the code the trace ran
         self.guards = _guards_from(model, reads, copies, constants, filled)
         self.requires_grad = {n: p.requires_grad for n, p in model.named_parameters()} if grad else {}
-        self._bind()
+        self._bind(code)
 
-    def _bind(self) -> None:
-        """Generate the per-call check against this model's objects and take its structure."""
+    def _bind(self, code: list[CodeRead] | None = None) -> None:
+        """Generate the per-call check against this model's objects and take its structure (``code``:
+        the code reads, found again when not given: a copy's or a loaded program's own objects)."""
         STRUCTURE.track(self.model)
         scope: dict[str, Any] = {"_any": torch._C._any_requires_grad, "_key": value_key}
         tests = []
@@ -360,7 +361,7 @@ class ModelState:
         for k, (owner, names) in enumerate(absent.values()):  # one test per object: its class, its names at once
             scope[f"_o{k}"], scope[f"_t{k}"], scope[f"_a{k}"], scope[f"_n{k}"] = owner, type(owner), vars(owner).keys(), frozenset(names)
             tests.append(f"type(_o{k}) is _t{k} and _a{k}.isdisjoint(_n{k})")
-        self.code = code_reads(self.model, self.called, self.functions)  # globals and closures of the code the trace ran
+        self.code = code if code is not None else code_reads(self.model, self.called, self.functions)[0]
         tests += _code_tests(self.code, scope)
         parameters = dict(self.model.named_parameters())
         frozen = tuple(parameters[n] for n, wanted in self.requires_grad.items() if not wanted)
@@ -547,7 +548,7 @@ def _guards_from(
 
 
 HELD_DEPTH = 3  # objects inside objects (a config's sub-config) whose attributes the trace read are guarded
-_FILLED = (list, dict, set)  # containers the code fills in place: compared by identity (``filled_attributes``)
+_FILLED = (list, dict, set)  # containers the code fills in place: compared by identity (``code_reads``)
 
 
 def _attribute_guards(

@@ -65,32 +65,31 @@ class CodeRead:
         return value == self.expected if self.test == "==" else value is self.expected
 
 
-def code_reads(model: torch.nn.Module, called: dict[str, set[str]], functions: list[Any] = ()) -> list[CodeRead]:
+def code_reads(model: torch.nn.Module, called: dict[str, set[str]], functions: list[Any] = ()) -> tuple[list[CodeRead], set[str]]:
     """The globals and closure values the code the capture ran can read (module docstring): the
     methods the trace called on the model's modules (``called``: module path -> attribute names the
     capture read there, such as ``forward``, ``get_image_features``, a loss function property), the
     modules' hooks, and the functions their code names, transitively; and those of ``functions``, the
-    call's function arguments (a ``how=`` callable the forward calls)."""
+    call's function arguments (a ``how=`` callable the forward calls). With them, the attribute
+    names that code fills in place (``self.records.append(...)``, ``self.cache[key] = v``,
+    ``module.losses.extend(...)`` in a hook): a log or a cache the model keeps, which
+    ``situation.py`` compares by identity, or every call that adds to it would be another situation."""
     found: dict[tuple[int, str | None], CodeRead] = {}
     filled: set[tuple[int, str | None]] = set()  # containers some function fills in place
+    attributes: set[str] = set()
     for fn, reads in _followed(model, called, functions):
-        names = _filled(fn.__code__, _LOADS)
+        names, attribute_names = _filled(fn.__code__)
+        attributes |= attribute_names
         for name, read in reads:
             where = (id(read.namespace), read.key)
             found.setdefault(where, read)
             if name in names:
                 filled.add(where)
-    return [
+    code = [
         dataclasses.replace(read, expected=read.now(), test="is") if where in filled and read.test == "==" and isinstance(read.expected, _MUTABLE) else read
         for where, read in found.items()
     ]
-
-
-def filled_attributes(model: torch.nn.Module, called: dict[str, set[str]], functions: list[Any] = ()) -> set[str]:
-    """The attribute names the code the capture ran fills in place (``self.records.append(...)``,
-    ``self.cache[key] = v``, ``module.losses.extend(...)`` in a hook): a log or a cache the model keeps,
-    compared by identity (``situation.py``), or every call that adds to it would be another situation."""
-    return {name for fn, _ in _followed(model, called, functions) for name in _filled(fn.__code__, _ATTRIBUTE_LOADS)}
+    return code, attributes
 
 
 def _followed(
@@ -178,14 +177,14 @@ def _codes(code: types.CodeType) -> Iterator[types.CodeType]:
 _WRITES = frozenset({"STORE_GLOBAL", "DELETE_GLOBAL", "STORE_DEREF", "DELETE_DEREF"})
 
 
-def _written(code: types.CodeType) -> set[str]:
+@functools.lru_cache(maxsize=8192)  # code objects are immutable: scanned once per process
+def _written(code: types.CodeType) -> frozenset[str]:
     """The globals and closure variables the code assigns (``global n; n += 1``, ``nonlocal``): the
     code's own bookkeeping (a call counter), which would otherwise make every call another situation."""
-    return {i.argval for c in _codes(code) for i in dis.get_instructions(c) if i.opname in _WRITES}
+    return frozenset(i.argval for c in _codes(code) for i in dis.get_instructions(c) if i.opname in _WRITES)
 
 
 _LOADS = frozenset({"LOAD_GLOBAL", "LOAD_NAME", "LOAD_DEREF", "LOAD_CLASSDEREF"})
-_ATTRIBUTE_LOADS = frozenset({"LOAD_ATTR"})
 _SUBSCRIPT_WRITES = frozenset({"STORE_SUBSCR", "DELETE_SUBSCR"})
 _MUTATORS = frozenset({
     "append", "extend", "insert", "pop", "popitem", "remove", "clear", "update", "setdefault", "add", "discard",
@@ -194,13 +193,22 @@ _MUTATORS = frozenset({
 })
 
 
-def _filled(code: types.CodeType, loads: frozenset[str]) -> set[str]:
-    """The names (loaded by one of ``loads``: globals and closure variables, or attributes) the code
-    changes in place: a name whose mutating method it looks up (``CACHE.setdefault``,
-    ``SEEN.add(...)``, ``self.records.append``), and every such name it loads in a statement that
-    assigns or deletes a subscript (``CACHE[key] = v``; conservatively also ``out[CONFIG["i"]] = v``,
-    which only keeps that container compared by identity)."""
+@functools.lru_cache(maxsize=8192)
+def _filled(code: types.CodeType) -> tuple[frozenset[str], frozenset[str]]:
+    """The globals and closure variables, and the attributes, the code changes in place: a name whose
+    mutating method it looks up (``CACHE.setdefault``, ``SEEN.add(...)``, ``self.records.append``),
+    and every such name it loads in a statement that assigns or deletes a subscript (``CACHE[key] =
+    v``; conservatively also ``out[CONFIG["i"]] = v``, which only keeps that container compared by
+    identity)."""
     names: set[str] = set()
+    attributes: set[str] = set()
+
+    def add(instruction: dis.Instruction) -> None:
+        if instruction.opname in _LOADS:
+            names.add(instruction.argval)
+        elif instruction.opname == "LOAD_ATTR":
+            attributes.add(instruction.argval)
+
     for c in _codes(code):
         instructions = list(dis.get_instructions(c))
         statement: list[dis.Instruction] = []
@@ -208,14 +216,15 @@ def _filled(code: types.CodeType, loads: frozenset[str]) -> set[str]:
             line = None if instruction is None else _line_of(instruction)
             if instruction is None or (line is not None and statement and line != _line_of(statement[0])):
                 if any(i.opname in _SUBSCRIPT_WRITES for i in statement):
-                    names.update(i.argval for i in statement if i.opname in loads)
+                    for loaded in statement:
+                        add(loaded)
                 statement = []
             if instruction is not None:
                 statement.append(instruction)
         for loaded, looked_up in zip(instructions, instructions[1:]):
-            if loaded.opname in loads and looked_up.opname in ("LOAD_ATTR", "LOAD_METHOD") and looked_up.argval in _MUTATORS:
-                names.add(loaded.argval)
-    return names
+            if looked_up.opname in ("LOAD_ATTR", "LOAD_METHOD") and looked_up.argval in _MUTATORS:
+                add(loaded)
+    return frozenset(names), frozenset(attributes)
 
 
 def _line_of(instruction: dis.Instruction) -> int | None:
