@@ -55,6 +55,7 @@ def measure(cfg: VLMConfig, rounds: int, n_batches: int) -> None:
             program.binder.host_metadata = False
             samples["fxflops_device_path"].append(_seconds(lambda: wrapper._count(inputs, {}), repeat=200))
             program.binder.host_metadata = True
+            wrapper.flops.reset()  # the device path's sums are 0-d tensors: the host path's are ints again
     med = {k: statistics.median(v) for k, v in samples.items()}
     added = med["flopcounter"] - med["plain"]
     us = 1e6

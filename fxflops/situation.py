@@ -378,8 +378,8 @@ class ModelState:
         lines.append("    return True")
         exec(compile("\n".join(lines) + "\n", "<fxflops model state>", "exec"), scope)  # noqa: S102 - our own code
         self._check: Callable[[], bool] = scope["check"]
-        self._structure = self._snapshot()
-        self._take_hook_counts()
+        self._structure, hooks = self._snapshot()
+        self._take_hook_counts(hooks)
         self._version = STRUCTURE.version
         self._structure_ok = True
         self.settled = False
@@ -392,7 +392,7 @@ class ModelState:
         parameters and buffers as they were before the call (FSDP2 leaves the root's parameters
         unsharded after a forward, sharded again before the next)."""
         self.settled = True
-        now = self._snapshot()
+        now, hooks = self._snapshot()
         if len(now) != len(self._structure):
             return
         settled = [now[0]]  # the global hooks
@@ -401,22 +401,20 @@ class ModelState:
                 return
             settled.append(after)
         self._structure = tuple(settled)
-        self._take_hook_counts()
+        self._take_hook_counts(hooks)
 
-    def _take_hook_counts(self) -> None:
-        """The model's module hook dicts holding hooks now and their sizes: a hook removed
-        (``handle.remove()``, which moves no counter) is found at the next call by its dict's size. A
-        hook added where there was none moves the handle counter. Not the global hook dicts: tools
-        (FlopCounterMode's module tracker, profilers) add and remove theirs around a call."""
-        dicts = []
-        for _, m in named_modules(self.model):
-            dicts += [d for d in (m._forward_pre_hooks, m._forward_hooks, m._backward_pre_hooks, m._backward_hooks) if d]
-        self._hooks = tuple(dicts)
-        self._hook_counts = tuple(map(len, dicts))
+    def _take_hook_counts(self, hooks: tuple[dict, ...]) -> None:
+        """The model's module hook dicts holding hooks now (``_snapshot``'s) and their sizes: a hook
+        removed (``handle.remove()``, which moves no counter) is found at the next call by its dict's
+        size. A hook added where there was none moves the handle counter. Not the global hook dicts:
+        tools (FlopCounterMode's module tracker, profilers) add and remove theirs around a call."""
+        self._hooks = hooks
+        self._hook_counts = tuple(map(len, hooks))
 
-    def _snapshot(self) -> tuple:
+    def _snapshot(self) -> tuple[tuple, tuple[dict, ...]]:
         """Every module, parameter and buffer by identity (tensors with shape, dtype, device and
-        their gradient hooks), the hooks and forward overrides: the structure the program was traced on."""
+        their gradient hooks), the hooks and forward overrides: the structure the program was traced
+        on; and the modules' hook dicts that hold hooks (``_take_hook_counts``)."""
         from torch.nn.modules import module as nn_module
 
         rows: list[Any] = [_hook_ids(*(
@@ -425,26 +423,30 @@ class ModelState:
                 nn_module._global_backward_pre_hooks, nn_module._global_backward_hooks,
             )
         ))]
+        held: list[dict] = []
         for path, m in named_modules(self.model):
             tensors = tuple(
                 (name, id(t), t.dtype, tuple(t.shape), t.device, _hook_ids(t._backward_hooks, getattr(t, "_post_accumulate_grad_hooks", None)))
                 if t is not None else (name, None)
                 for name, t in itertools.chain(m._parameters.items(), m._buffers.items())
             )
-            hooks = _hook_ids(m._forward_pre_hooks, m._forward_hooks, m._backward_pre_hooks, m._backward_hooks)
+            dicts = (m._forward_pre_hooks, m._forward_hooks, m._backward_pre_hooks, m._backward_hooks)
+            held += [d for d in dicts if d]
+            hooks = _hook_ids(*dicts)
             forward = vars(m).get("forward")  # an instance-level override (not fxflops' own routing probe)
             overridden = forward is not None and not getattr(forward, "fxflops_own", False)
             rows.append((path, id(m), type(m), tensors, hooks, id(forward) if overridden else None))
-        return tuple(rows)
+        return tuple(rows), tuple(held)
 
     def matches(self) -> bool:
         """Whether the model is in the state the program was traced in."""
         version = STRUCTURE.version
         if version != self._version:
             self._version = version
-            ok = self._snapshot() == self._structure
+            now, hooks = self._snapshot()
+            ok = now == self._structure
             if ok:
-                self._take_hook_counts()  # the same hooks, maybe in dicts made anew
+                self._take_hook_counts(hooks)  # the same hooks, maybe in dicts made anew
                 if self._structure_ok:
                     STRUCTURE.found_unchanged()
             self._structure_ok = ok
@@ -457,7 +459,7 @@ class ModelState:
 
     def mismatch(self) -> str:
         """What differs from the traced state, in words ("" when nothing does)."""
-        if self._snapshot() != self._structure:
+        if self._snapshot()[0] != self._structure:
             return f"the structure of {type(self.model).__name__} changed (a module, parameter, buffer or hook)"
         for guard in self.guards:
             state, shadows = guard.namespaces(self.model)

@@ -83,8 +83,8 @@ def named_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     while todo:
         path, module = todo.pop(0)
         for name, value in list(vars(module).items()):
-            if name in _MODULE_SLOTS:  # the registered ones: found above
-                continue
+            if name in _MODULE_SLOTS or (type(value) not in _CONTAINERS and not isinstance(value, torch.nn.Module)):
+                continue  # the registered ones (found above), and the flags, numbers and hook dicts
             for where, held in _held_modules(value, f"{path}.{name}" if path else name, _HELD_MODULE_DEPTH):
                 if id(held) not in seen:
                     inner = [(f"{where}.{p}" if p else where, m) for p, m in held.named_modules(remove_duplicate=False)]
@@ -96,12 +96,13 @@ def named_modules(model: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
 
 _MODULE_SLOTS = frozenset({"_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"})
 _HELD_MODULE_DEPTH = 2  # containers inside containers of a module's __dict__ looked into for modules
+_CONTAINERS = (dict, list, tuple)
 
 
 def _held_modules(value: Any, path: str, depth: int) -> Iterator[tuple[str, torch.nn.Module]]:
     if isinstance(value, torch.nn.Module):
         yield path, value
-    elif depth > 0 and type(value) in (dict, list, tuple):
+    elif depth > 0 and type(value) in _CONTAINERS:
         items = value.items() if isinstance(value, dict) else enumerate(value)
         for key, item in items:
             if isinstance(key, (str, int)) and "." not in str(key):
