@@ -132,8 +132,8 @@ def _signature(value: Any) -> Any:
     shapes, :func:`touches_floats` dtypes), every other value as it is (``causal=True``)."""
     if isinstance(value, torch.Tensor):
         return value.shape, value.dtype
-    if isinstance(value, (list, tuple)):
-        return tuple([_signature(v) for v in value])
+    if isinstance(value, (list, tuple)):  # tensors inline: an op's arguments are mostly tensors
+        return tuple([(v.shape, v.dtype) if isinstance(v, torch.Tensor) else _signature(v) for v in value])
     if isinstance(value, dict):
         return tuple([(k, _signature(v)) for k, v in value.items()])
     return value
