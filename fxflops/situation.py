@@ -14,7 +14,7 @@ sizes meet its guards. The situation has three parts, checked on every counted c
 - :class:`ModelState`: the model's state the trace depended on (``capture/reads.py`` recorded what it
   read): ``training`` flags and every other plain attribute the trace read from a module or from an
   object a module holds (``config._attn_implementation``; a list, dict or set the model's code or
-  hooks fill in place, ``self.records.append(...)``, by identity: ``situation_code.code_reads``), which parameters require grad (programs
+  hooks only fill in place, ``self.records.append(...)``, by identity: ``situation_code.code_reads``), which parameters require grad (programs
   traced with grad enabled), and the model's structure: the identity of every module, parameter and
   buffer, their shapes, dtypes and devices, and the number of hooks. The modules a module holds
   without registering them (a distillation teacher in ``__dict__``, modules in a dict attribute:
@@ -324,6 +324,7 @@ class ModelState:
     ) -> None:
         self.model = model
         self.called = {path: set(reads.of_module(m)) for path, m in named_modules(model) if reads.of_module(m)}
+        self.called.update(_held_reads(model, reads))  # the methods of the objects the modules hold run too
         self.functions = reads.functions  # the call's function arguments: their globals are read too
         code, filled = code_reads(model, self.called, self.functions)  # globals and closures of the code the trace ran
         self.guards = _guards_from(model, reads, copies, constants, filled)
@@ -550,6 +551,25 @@ def _guards_from(
 
 
 HELD_DEPTH = 3  # objects inside objects (a config's sub-config) whose attributes the trace read are guarded
+
+
+def _held_reads(model: torch.nn.Module, reads: Reads) -> dict[str, set[str]]:
+    """The attribute names the trace read on the plain objects the modules hold (``HELD_DEPTH``
+    deep), keyed ``"module path|held.path"`` (``situation_code.py`` walks their methods' code)."""
+    found: dict[str, set[str]] = {}
+
+    def visit(obj: Any, names: set[str], key: str, depth: int) -> None:
+        for name in sorted(names):
+            value = vars(obj).get(name)
+            inner = reads.of_held(value) if getattr(value, "__dict__", None) is not None else None
+            if inner and depth > 0 and not isinstance(value, (torch.nn.Module, type)):
+                held = f"{key}.{name}" if "|" in key else f"{key}|{name}"
+                found[held] = set(inner)
+                visit(value, inner, held, depth - 1)
+
+    for path, module in named_modules(model):
+        visit(module, reads.of_module(module), path, HELD_DEPTH)
+    return found
 _FILLED = (list, dict, set)  # containers the code fills in place: compared by identity (``code_reads``)
 
 
@@ -573,8 +593,8 @@ def _attribute_guards(
     value = state[name]
     if getattr(value, "fxflops_own", False):
         return  # fxflops' own (a routing probe)
-    if name in filled and isinstance(value, _FILLED):
-        guard = StateGuard(label, path, held, name, value, "is")
+    if name in filled and isinstance(value, _FILLED) and not any(id(t) in constants for t in _leaves(value)):
+        guard = StateGuard(label, path, held, name, value, "is")  # a log (its tensors, if any, unused by the trace)
     else:
         guard = _guard(label, path, held, name, value, constants, reads.values)
     guards.setdefault(("instance", id(state), name), guard)

@@ -7,8 +7,9 @@ closure holds. torch.compile guards each such read (Dynamo sees every ``LOAD_GLO
 the code instead of interpreting it, so it guards what the code *can* read (:func:`code_reads`): the
 names the model classes' functions load (their code objects' ``co_names``, nested code included)
 that their module's globals hold, and the cells of their closures, following the functions those
-name into their own globals (model code only: not torch's, not fxflops'); the same for the functions
-the modules hold as attributes (``self.select = select``) and those the call passes (``how=fn``:
+name into their own globals (model code only: not torch's, not fxflops'); the same for the methods
+the trace called on the plain objects the modules hold (``self.bank.read()``), the modules' hooks,
+the functions the modules hold as attributes (``self.select = select``) and those the call passes (``how=fn``:
 its key is its code and closure, its globals are read here; a saved program keeps those of importable
 functions only). Plain values (numbers,
 strings, flags, tuples of them) are compared by value, functions by identity. A module-level list,
@@ -17,7 +18,9 @@ dict or set of plain values is compared by value too (a setting changed in place
 ``SEEN.add(...)``: a cache or a registry, compared by identity, or every new entry would be another
 situation; :func:`_filled`), or it holds more than :data:`MAX_COMPARED` values. Names the
 code itself assigns (``global calls; calls += 1``, ``nonlocal``) are its bookkeeping and are not
-guarded (else every call would be another situation, as a recompile per call is under Dynamo).
+guarded (else every call would be another situation, as a recompile per call is under Dynamo). The
+same bytecode tells which attributes the code only fills in place and never reads otherwise (a log,
+``self.records.append(...)``): ``situation.py`` compares those by identity.
 (Attributes of the model's modules and of the objects they hold, class attributes among them, are
 ``fxflops/situation.py``'s; the call's arguments ``fxflops/call_keys.py``'s.)
 """
@@ -71,15 +74,19 @@ def code_reads(model: torch.nn.Module, called: dict[str, set[str]], functions: l
     capture read there, such as ``forward``, ``get_image_features``, a loss function property), the
     modules' hooks, and the functions their code names, transitively; and those of ``functions``, the
     call's function arguments (a ``how=`` callable the forward calls). With them, the attribute
-    names that code fills in place (``self.records.append(...)``, ``self.cache[key] = v``,
-    ``module.losses.extend(...)`` in a hook): a log or a cache the model keeps, which
-    ``situation.py`` compares by identity, or every call that adds to it would be another situation."""
+    names that code only fills in place (``self.records.append(...)``, ``self.cache[key] = v``,
+    ``module.losses.extend(...)`` in a hook) and uses in no other way: a log the model keeps, which
+    ``situation.py`` compares by identity, or every call that adds to it would be another situation.
+    One it also reads (``torch.cat(self.mems)``, ``len(self.records)``) stays compared by value: its
+    contents can change the count (a memory the next call attends over)."""
     found: dict[tuple[int, str | None], CodeRead] = {}
     filled: set[tuple[int, str | None]] = set()  # containers some function fills in place
-    attributes: set[str] = set()
+    mutated: set[str] = set()
+    used: set[str] = set()
     for fn, reads in _followed(model, called, functions):
-        names, attribute_names = _filled(fn.__code__)
-        attributes |= attribute_names
+        names, changed, read = _filled(fn.__code__)
+        mutated |= changed
+        used |= read
         for name, read in reads:
             where = (id(read.namespace), read.key)
             found.setdefault(where, read)
@@ -89,7 +96,7 @@ def code_reads(model: torch.nn.Module, called: dict[str, set[str]], functions: l
         dataclasses.replace(read, expected=read.now(), test="is") if where in filled and read.test == "==" and isinstance(read.expected, _MUTABLE) else read
         for where, read in found.items()
     ]
-    return code, attributes
+    return code, mutated - used
 
 
 def _followed(
@@ -121,19 +128,23 @@ def _hooks(model: torch.nn.Module) -> Iterator[types.FunctionType]:
 
 
 def _called_methods(model: torch.nn.Module, called: dict[str, set[str]]) -> Iterator[types.FunctionType]:
-    """The functions behind the attributes the capture read on the model's modules that their
-    classes define (methods, properties, static and class methods; not torch's own classes')."""
-    for path, names in called.items():
+    """The functions behind the attributes the capture read on the model's modules, and on the
+    objects they hold (keys ``"module path|held.path"``), that their classes define (methods,
+    properties, static and class methods; not torch's own classes')."""
+    for key, names in called.items():
+        path, _, held_path = key.partition("|")
         try:
-            module = module_at(model, path)
-        except (AttributeError, KeyError, IndexError, ValueError):  # gone since
+            owner = module_at(model, path)
+            for part in held_path.split(".") if held_path else ():
+                owner = vars(owner)[part]
+        except (AttributeError, KeyError, IndexError, ValueError, TypeError):  # gone since
             continue
         for name in names:
-            held = vars(module).get(name)
+            held = vars(owner).get(name)
             if held is not None:  # a function the module holds (``self.chosen = chosen``): its code too
                 yield from _functions_in(held)
                 continue
-            cls = next((c for c in type(module).__mro__ if name in vars(c)), None)
+            cls = next((c for c in type(owner).__mro__ if name in vars(c)), None)
             if cls is not None and not cls.__module__.startswith(_LIBRARIES):
                 yield from _functions_in(vars(cls)[name])
 
@@ -194,37 +205,39 @@ _MUTATORS = frozenset({
 
 
 @functools.lru_cache(maxsize=8192)
-def _filled(code: types.CodeType) -> tuple[frozenset[str], frozenset[str]]:
-    """The globals and closure variables, and the attributes, the code changes in place: a name whose
-    mutating method it looks up (``CACHE.setdefault``, ``SEEN.add(...)``, ``self.records.append``),
-    and every such name it loads in a statement that assigns or deletes a subscript (``CACHE[key] =
-    v``; conservatively also ``out[CONFIG["i"]] = v``, which only keeps that container compared by
-    identity)."""
+def _filled(code: types.CodeType) -> tuple[frozenset[str], frozenset[str], frozenset[str]]:
+    """(the globals and closure variables the code changes in place, the attributes it changes in
+    place, the attributes it uses otherwise). Changed in place: a name whose mutating method it looks
+    up (``CACHE.setdefault``, ``SEEN.add(...)``, ``self.records.append``), and every such name it
+    loads in a statement that assigns or deletes a subscript (``CACHE[key] = v``; conservatively also
+    ``out[CONFIG["i"]] = v``, which only keeps that container compared by identity). An attribute
+    used otherwise (``len(self.mems)``, ``torch.cat(self.mems)``, ``self.cache[key]`` read) has
+    contents the count may depend on."""
     names: set[str] = set()
-    attributes: set[str] = set()
-
-    def add(instruction: dis.Instruction) -> None:
-        if instruction.opname in _LOADS:
-            names.add(instruction.argval)
-        elif instruction.opname == "LOAD_ATTR":
-            attributes.add(instruction.argval)
-
-    for c in _codes(code):
+    changed: set[tuple[int, int]] = set()  # (code number, offset) of attribute loads that change a container
+    attribute_loads: list[tuple[tuple[int, int], str]] = []
+    for number, c in enumerate(_codes(code)):
         instructions = list(dis.get_instructions(c))
+        attribute_loads += [((number, i.offset), i.argval) for i in instructions if i.opname == "LOAD_ATTR"]
         statement: list[dis.Instruction] = []
         for instruction in [*instructions, None]:
             line = None if instruction is None else _line_of(instruction)
             if instruction is None or (line is not None and statement and line != _line_of(statement[0])):
                 if any(i.opname in _SUBSCRIPT_WRITES for i in statement):
-                    for loaded in statement:
-                        add(loaded)
+                    names.update(i.argval for i in statement if i.opname in _LOADS)
+                    changed.update((number, i.offset) for i in statement if i.opname == "LOAD_ATTR")
                 statement = []
             if instruction is not None:
                 statement.append(instruction)
         for loaded, looked_up in zip(instructions, instructions[1:]):
             if looked_up.opname in ("LOAD_ATTR", "LOAD_METHOD") and looked_up.argval in _MUTATORS:
-                add(loaded)
-    return frozenset(names), frozenset(attributes)
+                if loaded.opname in _LOADS:
+                    names.add(loaded.argval)
+                elif loaded.opname == "LOAD_ATTR":
+                    changed.update({(number, loaded.offset), (number, looked_up.offset)})  # the method's lookup is no use
+    mutated = frozenset(name for where, name in attribute_loads if where in changed)
+    used = frozenset(name for where, name in attribute_loads if where not in changed)
+    return frozenset(names), mutated, used
 
 
 def _line_of(instruction: dis.Instruction) -> int | None:

@@ -14,6 +14,7 @@ Each change in both directions, every call compared with FlopCounterMode on the 
 
 from __future__ import annotations
 
+import copy
 import functools
 
 import pytest
@@ -415,6 +416,68 @@ def test_logs_and_caches_the_code_fills_are_not_a_new_situation(backward):
     assert wrapper.captures == 3
     model.records = []  # a log replaced by a fresh one: another object, another program (never stale)
     assert_counted_call(wrapper, model, (torch.randn(4, 8),), backward, "the log replaced")
+
+
+class Memory(nn.Module):
+    """Keeps a memory it appends to and attends over on the next call (Transformer-XL style)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.mems: list = []
+        self.seen: dict = {}
+
+    def forward(self, x):
+        h = self.fc(x)
+        if self.mems:
+            memory = torch.cat(self.mems)
+            h = h + (h @ memory.T) @ memory
+        self.mems.append(h.detach())
+        self.seen[len(self.seen)] = 1  # filled by subscript
+        if len(self.seen) % 2:  # and read: its contents choose the work
+            h = self.fc(h)
+        return h
+
+
+class _Bank:
+    """A plain object whose own method reads the memory (code the model-state walk does not follow)."""
+
+    def __init__(self) -> None:
+        self.mems: list = []
+
+    def read(self):
+        return torch.cat(self.mems) if self.mems else None
+
+
+class BankMemory(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.bank = _Bank()
+
+    def forward(self, x):
+        h = self.fc(x)
+        memory = self.bank.read()
+        if memory is not None:
+            h = h + (h @ memory.T) @ memory
+        self.bank.mems.append(h.detach())  # the forward itself only fills it
+        return h
+
+
+@pytest.mark.parametrize("backward", [False, True])
+@pytest.mark.parametrize("kind", [Memory, BankMemory])
+def test_a_container_the_code_fills_and_reads_is_compared_by_value(backward, kind):
+    model = kind()
+    wrapper = fxflops.instrument(model, backward=backward)
+    for n in range(2, 7):  # the memory grows by n rows per call: every call attends over more
+        x = torch.randn(n, 8)
+        reference = copy.deepcopy(model)
+        wrapper.flops.reset()
+        out = wrapper(x)
+        if backward:
+            out.sum().backward()
+        assert wrapper.flops.uncounted == 0
+        assert wrapper.flops.total() == flop_counter_call(reference, (x,), {}, backward=backward), f"call {n}"
 
 
 TIMES = 1  # a setting a function passed to the forward reads
