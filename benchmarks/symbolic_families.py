@@ -1,10 +1,11 @@
 """Families whose sizes their adapter derives (anyres tiles: LLaVA-NeXT, LLaVA-OneVision; patch
-grids: Mistral 3, LLaVA-Pixtral; real frames: Idefics3, SmolVLM, Idefics2; image tokens: Phi-4-multimodal):
+grids: Mistral 3, LLaVA-Pixtral; real frames: Idefics3, SmolVLM, Idefics2; image and audio tokens:
+Phi-4-multimodal, its audio calls with 1-3 clips, half of them with images too):
 counting cost per call, symbolic against measured.
 
 Run: ``python benchmarks/symbolic_families.py`` (``--rounds 30``, ``--families mistral3``). The tiny
 models and random batches of ``tests/test_hf_anyres.py``, ``test_hf_patch_grids.py``,
-``test_hf_frames.py`` and ``test_hf_crops.py`` (1-6 images of mixed sizes, 1-3 sequences), eager
+``test_hf_frames.py``, ``test_hf_crops.py`` and ``test_hf_audio.py`` (1-6 images of mixed sizes, 1-3 sequences), eager
 attention. Medians of interleaved rounds over the batches, per call:
 
 - capture: the first call's trace (seconds);
@@ -50,6 +51,10 @@ FAMILIES = {  # family -> (build, batch(model, rng, images=True), the adapter pi
     "smolvlm": (test_hf_measured_families.build_smolvlm, test_hf_measured_families.idefics3_batch, "frames"),
     "idefics2": (test_hf_measured_families.build_idefics2, test_hf_measured_families.idefics2_batch, "frames"),
     "phi4_multimodal": (test_hf_measured_families.build_phi4_multimodal, test_hf_measured_families.phi4_batch, "crops"),
+    "phi4_audio": (
+        test_hf_measured_families.build_phi4_multimodal,
+        lambda model, rng, images: test_hf_measured_families.phi4_audio_batch(model, rng, audio=images), "audio",
+    ),
 }
 
 

@@ -109,11 +109,13 @@ def degrouped(model: torch.nn.Module) -> torch.nn.Module:
     something inside is replaced)."""
     if isinstance(model, torch.nn.modules.conv._ConvNd) and model.groups > 1:
         return GroupsAsSeparateConvs(model)
-    if not any(isinstance(m, torch.nn.modules.conv._ConvNd) and m.groups > 1 for m in model.modules()):
+    done = {id(m.conv) for m in model.modules() if isinstance(m, GroupsAsSeparateConvs)}  # degrouped already
+    if not any(isinstance(m, torch.nn.modules.conv._ConvNd) and m.groups > 1 and id(m) not in done for m in model.modules()):
         return model
     model = copy.deepcopy(model)
+    done = {id(m.conv) for m in model.modules() if isinstance(m, GroupsAsSeparateConvs)}
     for name, module in list(model.named_modules()):
-        if isinstance(module, torch.nn.modules.conv._ConvNd) and module.groups > 1:
+        if isinstance(module, torch.nn.modules.conv._ConvNd) and module.groups > 1 and id(module) not in done:
             parent, _, attr = name.rpartition(".")
             setattr(model.get_submodule(parent) if parent else model, attr, GroupsAsSeparateConvs(module))
     return model

@@ -1,10 +1,9 @@
 """Hugging Face VLM families whose symbolic capture fails inside a module (data-dependent Python
 code: loops over ``image_sizes``, ``.tolist()`` splits, ``if mask.any():``), counted exactly all the
-same by measured islands (``fxflops/islands.py``): Ovis2, Emu3 (VQ-VAE image tokenizer) and
-Phi-4-multimodal's audio (a conformer encoder on 1-3 clips of mixed lengths, with images or not).
+same by measured islands (``fxflops/islands.py``): Ovis2 and Emu3 (VQ-VAE image tokenizer).
 Mistral 3 counts symbolically (``test_hf_patch_grids.py``), and so do Idefics2, Idefics3 and
-SmolVLM (``test_hf_frames.py``) and Phi-4-multimodal's images (``test_hf_crops.py``), whose
-builders live here.
+SmolVLM (``test_hf_frames.py``) and Phi-4-multimodal's images (``test_hf_crops.py``) and audio
+(``test_hf_audio.py``), whose builders live here.
 
 Each family is a tiny random-weight model built here with ``attn_implementation="eager"`` (attention
 as explicit matmuls, which FlopCounterMode counts) and called on random microbatches laid out as its
@@ -241,7 +240,7 @@ PHI4_IMAGE = 250
 def build_phi4_multimodal() -> torch.nn.Module:
     """SigLIP-style tower on 32px crops / patch 8 with a patch attention mask, 2x2 average pooling,
     global + sub-crop features with separators, 2-layer projection; Phi-3 text (fused qkv / gate_up);
-    a tiny audio encoder, never called (image only)."""
+    a tiny conformer audio encoder (``phi4_audio_batch``: ``test_hf_audio.py``)."""
     import transformers
 
     config = transformers.Phi4MultimodalConfig(
@@ -363,19 +362,11 @@ class Family:
     batch: Callable[[torch.nn.Module, random.Random, bool], dict]
     measured: tuple[str, ...]  # the modules whose own code is data-dependent: measured on every media call
     media: str = "pixel_values"  # the input a media call has (a text-only call has not)
-    also: tuple[str, ...] = ()  # measured on the media calls that have some other input too
 
 
 FAMILIES = {  # the measured modules: where each family's data-dependent line is
     "ovis2": Family(build_ovis2, ovis2_batch, ("model",)),  # if mask.any(): per visual indicator
     "emu3": Family(build_emu3, emu3_batch, ("model.vqmodel",)),  # encode: codes sliced by image_sizes
-    # Phi-4-multimodal's audio: `if (input_ids == audio_token_id).any():` in the embedding, a numpy
-    # streaming mask of the encoder's length in the encoder's own forward (its conformer layers trace);
-    # with images too, the image embedding's own code (its image tokens read from input_ids: the
-    # adapter's token count applies to the whole model's capture, not to a child's)
-    "phi4_audio": Family(build_phi4_multimodal, phi4_audio_batch,
-                         ("model.embed_tokens_extend", "model.embed_tokens_extend.audio_embed.encoder"), "audio_input_features",
-                         ("model.embed_tokens_extend.image_embed",)),
 }
 PARAMETERS = list(FAMILIES)
 
@@ -390,7 +381,7 @@ def random_batch(family: str, model, rng: random.Random, images: bool, training:
 def check_measured(family: str, wrapper, batch: dict, where) -> None:
     expected = FAMILIES[family]
     if expected.media in batch:  # measured exactly where the data-dependent code is
-        assert set(expected.measured) <= set(wrapper.measured) <= {*expected.measured, *expected.also}, (*where, wrapper.measured)
+        assert set(wrapper.measured) == set(expected.measured), (*where, wrapper.measured)
 
 
 def check_programs(family: str, wrapper) -> None:

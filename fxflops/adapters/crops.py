@@ -27,8 +27,8 @@ T rows of its features (a view of one row, expanded: no counted work, forward or
 no counted work); the feature embedding runs its own code with the ``.any()`` of its image-token test
 True. Exact under the matmul-family count (FlopCounterMode's, every MFU convention): step 2's work
 and its backward are not in the trace, so a program with it refuses ``count="all"``
-(``DerivedSize.leaves_out``). A call with audio features (its own loop over ``audio_embed_sizes``) or
-without image tokens is captured without the stand-ins, and measured (``fxflops/islands.py``).
+(``DerivedSize.leaves_out``). A call without image tokens is captured without the stand-ins, and
+measured (``fxflops/islands.py``). Audio features are ``adapters/audio.py``'s.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from fxflops.capture.derived import TokenCount, TracedSize
 from fxflops.errors import CaptureError
 
 TOKENS = "image_tokens"
-PIXELS, IDS, AUDIO = "image_pixel_values", "input_ids", "audio_input_features"
+PIXELS, IDS = "image_pixel_values", "input_ids"
 # names of the crop inputs' dims: images, crops per image (padded), each crop's pixels
 CROP_DIMS = {PIXELS: {0: "images", 1: "crops", 3: "crop_height", 4: "crop_width"}, "image_attention_mask": {0: "images", 1: "crops"}}
 # what the stand-in does not trace (only count="all" counts it: DerivedSize.leaves_out)
@@ -103,9 +103,9 @@ class ImageCrops:
         return cls(path, token) if isinstance(token, int) else None
 
     def derived_sizes(self, call: dict[str, Any]) -> tuple[TokenCount, ...]:
-        """T of a call with crops and image tokens and without audio features."""
+        """T of a call with crops and image tokens."""
         ids, pixels = call.get(IDS), call.get(PIXELS)
-        if not (isinstance(ids, torch.Tensor) and isinstance(pixels, torch.Tensor)) or call.get(AUDIO) is not None:
+        if not (isinstance(ids, torch.Tensor) and isinstance(pixels, torch.Tensor)):
             return ()
         tokens = TokenCount(TOKENS, (IDS,), least=1, token=self.token, leaves_out=LEFT_OUT)
         return (tokens,) if tokens.value(ids) >= tokens.least else ()

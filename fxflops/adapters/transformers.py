@@ -43,6 +43,7 @@ import torch
 from fxflops.analysis.paths import inside
 from fxflops.capture.adapters import Adapter
 from fxflops.capture.inputs import bind_call, held_root, is_metadata, path_label, tensor_leaves
+from fxflops.adapters.audio import AUDIO_DIMS, AudioClips
 from fxflops.adapters.crops import CROP_DIMS, ImageCrops
 from fxflops.adapters.frames import FRAME_DIMS, RealFrames
 from fxflops.adapters.patch_grids import PatchGrids
@@ -110,6 +111,7 @@ class TransformersAdapter(Adapter):
         self.grids = PatchGrids.of(model, self._signature)  # patch grids cut by image sizes (adapters/patch_grids.py)
         self.frames = RealFrames.of(model, self._signature)  # padding frames dropped by value (adapters/frames.py)
         self.crops = ImageCrops.of(model, self._signature)  # image crops projected onto the image tokens (adapters/crops.py)
+        self.audio = AudioClips.of(model, self._signature)  # audio clips projected onto the audio tokens (adapters/audio.py)
         self._rope_parameters = _parameters(self.rope.get_rope_index) if self.rope is not None else set()
         positional = list(_parameters(model.forward, ordered=True))
         # a call reaching a grid only past this many positional arguments: a quick "no media" test
@@ -213,6 +215,8 @@ class TransformersAdapter(Adapter):
                 known = {**known, **FRAME_DIMS[label]}  # frames padded per sequence (adapters/frames.py)
             if self.crops is not None and label in CROP_DIMS and tensor.dim() >= 3:
                 known = {**known, **CROP_DIMS[label]}  # crops padded per image (adapters/crops.py)
+            if self.audio is not None and label in AUDIO_DIMS and tensor.dim() > max(AUDIO_DIMS[label]):
+                known = {**known, **AUDIO_DIMS[label]}  # clips padded to the longest (adapters/audio.py)
             for d, name in known.items():  # a known name only where its sizes agree
                 if tensor.shape[d] == 1 and name not in COUNTS:
                     continue  # a length of 1 (a decode step's one token) is another program, never a symbol
@@ -228,9 +232,9 @@ class TransformersAdapter(Adapter):
     def derived_sizes(self, args: tuple, kwargs: dict) -> tuple[DerivedSize, ...]:
         """The patches a Pixtral-style tower keeps of its padded images and its merger's windows
         (``adapters/patch_grids.py``), the real frames of an Idefics3-style model
-        (``adapters/frames.py``), the image tokens of a Phi-4-multimodal-style one
-        (``adapters/crops.py``), where the model has them."""
-        pieces = [piece for piece in (self.grids, self.frames, self.crops) if piece is not None]
+        (``adapters/frames.py``), the image and audio tokens of a Phi-4-multimodal-style one
+        (``adapters/crops.py``, ``adapters/audio.py``), where the model has them."""
+        pieces = [piece for piece in (self.grids, self.frames, self.crops, self.audio) if piece is not None]
         if not pieces:
             return ()
         call = bind_call(self.model.forward, args, kwargs, self._signature)
@@ -240,7 +244,7 @@ class TransformersAdapter(Adapter):
     def capturing(self, model: torch.nn.Module, sizes: dict[str, TracedSize]) -> Iterator[None]:
         owners = [m for m in model.modules() if any(callable(getattr(m, g, None)) for g in FEATURE_GETTERS)]
         with contextlib.ExitStack() as stack:
-            for piece in (self.grids, self.frames, self.crops):
+            for piece in (self.grids, self.frames, self.crops, self.audio):  # the audio's stand-ins wrap the crops'
                 if piece is not None:
                     stack.enter_context(piece.capturing(model, sizes))
             if self.tiles is not None:  # entered first: the per-image pieces wrap its feature getter
@@ -344,7 +348,7 @@ def _cache_dims(rank: int) -> dict[int, str]:
 
 # known names that count independent items (sequences, images, videos): 1 in an example is one of
 # many sizes; every other size of 1 (a decode step's one token, a mask's broadcast head dim) is static
-COUNTS = frozenset({"batch", "images", "videos", "video_frames", "tiles", "frames", "crops"})
+COUNTS = frozenset({"batch", "images", "videos", "video_frames", "tiles", "frames", "crops", "clips", "audio_frames"})
 
 
 def _known_dims(label: str, rank: int) -> dict[int, str]:
