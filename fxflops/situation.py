@@ -33,7 +33,6 @@ program, or a clear refusal.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import functools
 import itertools
@@ -643,7 +642,8 @@ def _guard(label: str, path: str, held: str | None, key: str, value: Any, consta
     if plain(value):
         return StateGuard(label, path, held, key, copied(value), "==")
     if _modules_and_plain(value):  # transformers' per-layer ``_kernel_funcs``: compared item by item, modules by identity
-        return StateGuard(label, path, held, key, copy.copy(value), "==")
+        items = {k: copied(v) for k, v in value.items()} if type(value) is dict else type(value)(copied(v) for v in value)
+        return StateGuard(label, path, held, key, items, "==")
     if isinstance(value, (torch.Tensor, list, tuple, dict, set, frozenset)):
         used = any(isinstance(t, torch.Tensor) and id(t) in constants for t in _leaves(value))
         return StateGuard(label, path, held, key, value_key(value, used), "shapes" if used else "key")
@@ -657,8 +657,8 @@ def _guard(label: str, path: str, held: str | None, key: str, value: Any, consta
 
 def _modules_and_plain(value: Any) -> bool:
     """A small list, tuple or dict of modules and plain values (their own state is the structure
-    check's): ``==`` on a shallow copy compares it exactly, without keying each item."""
-    if not isinstance(value, (list, tuple, dict)) or len(value) > 64:
+    check's): ``==`` on a copy compares it exactly, without keying each item."""
+    if type(value) not in (list, tuple, dict) or len(value) > 64:
         return False
     items = value.values() if isinstance(value, dict) else value
     keys_plain = not isinstance(value, dict) or all(plain(k, 0) for k in value)

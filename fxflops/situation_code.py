@@ -84,9 +84,9 @@ def code_reads(model: torch.nn.Module, called: dict[str, set[str]], functions: l
     mutated: set[str] = set()
     used: set[str] = set()
     for fn, reads in _followed(model, called, functions):
-        names, changed, read = _filled(fn.__code__)
+        names, changed, other_uses = _filled(fn.__code__)
         mutated |= changed
-        used |= read
+        used |= other_uses
         for name, read in reads:
             where = (id(read.namespace), read.key)
             found.setdefault(where, read)
