@@ -336,3 +336,32 @@ def assert_symbolic_in(wrapper, symbol: str, programs: int = 1, captures: int = 
     within = [p for p in wrapper.programs if symbol in map(str, p.all_symbols)]
     assert 1 <= len(within) <= programs and wrapper.captures <= captures, [p.symbols for p in wrapper.programs]
     assert not any(p.unsupported for p in wrapper.programs)
+
+
+def assert_measured_without_tokens(wrapper, model: torch.nn.Module, batch: dict, token: int, embedding: str) -> None:
+    """``batch`` (its media and ``token``s in ``input_ids``) counted by ``wrapper``'s program; the same
+    media without the tokens (the model skips ``embedding``: outside the program's guard, at least one
+    token) captured again and measured, as FlopCounterMode counts it; one token more than the media
+    give rejected by the model itself, nothing added."""
+    with torch.no_grad():
+        wrapper(**batch)
+    without = dict(batch, input_ids=batch["input_ids"].masked_fill(batch["input_ids"] == token, 60))
+    for call in (without, batch):
+        wrapper.flops.reset()
+        with torch.no_grad():
+            wrapper(**call)
+        expected = flop_counter_modules(model, call, backward=False)
+        assert wrapper.flops.total() == expected[""] > 0 and wrapper.flops.uncounted == 0
+    assert expected.get(embedding, 0) > 0 and flop_counter_modules(model, without, backward=False).get(embedding, 0) == 0
+    assert set(wrapper.measured) == {embedding.rpartition(".")[0]}
+    wrong = batch["input_ids"].clone()
+    wrong[0, 0] = token  # one token more than the media give
+    before = wrapper.flops.total()
+    try:
+        with torch.no_grad():
+            wrapper(**dict(batch, input_ids=wrong))
+    except Exception:  # noqa: BLE001 - the model's own index_put rejects it, not fxflops
+        pass
+    else:
+        raise AssertionError("the model accepted more tokens than its media give")
+    assert wrapper.flops.total() == before

@@ -174,8 +174,8 @@ def _tensor_parallel_rank(rank: int, world: int, port: int, results) -> None:
     dist.destroy_process_group()
 
 
-def _train_tensor_parallel(world: int, instrumented: bool) -> tuple:
-    from torch.distributed.device_mesh import init_device_mesh
+def tensor_parallel_gpt(mesh) -> TinyGPT:
+    """A seeded TinyGPT with every attention and MLP projection and the head sharded over ``mesh``."""
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -184,7 +184,13 @@ def _train_tensor_parallel(world: int, instrumented: bool) -> tuple:
     styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
     plan = {f"layers.{i}.{path}": styles[kind]() for i in range(CFG.layers) for path, kind in TP_PLAN_LAYER.items()}
     plan["lm_head"] = ColwiseParallel(output_layouts=Replicate())
-    parallelize_module(model, init_device_mesh("cpu", (world,)), plan)
+    return parallelize_module(model, mesh, plan)
+
+
+def _train_tensor_parallel(world: int, instrumented: bool) -> tuple:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    model = tensor_parallel_gpt(init_device_mesh("cpu", (world,)))
     step_module = fxflops.instrument(model, backward=True, strict=True) if instrumented else model
     losses = _train_steps(step_module, model.parameters(), 0)  # tensor-parallel ranks see the same batch
     counted = None
@@ -219,16 +225,9 @@ def _train_two_dimensional(rank: int, instrumented: bool) -> tuple:
     its own batches, instrumented after wrapping."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    torch.manual_seed(0)
-    model = TinyGPT(CFG)
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
-    plan = {f"layers.{i}.{path}": styles[kind]() for i in range(CFG.layers) for path, kind in TP_PLAN_LAYER.items()}
-    plan["lm_head"] = ColwiseParallel(output_layouts=Replicate())
-    parallelize_module(model, mesh["tp"], plan)
+    model = tensor_parallel_gpt(mesh["tp"])
     for layer in model.layers:
         fully_shard(layer, mesh=mesh["dp"])
     fully_shard(model, mesh=mesh["dp"])

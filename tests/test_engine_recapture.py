@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 from reference import flop_counter_call
-from test_distributed import CFG, LAYERS, MICROBATCHES, TP_PLAN_LAYER, Layer, _batch, _init, _wrap, spawn
+from test_distributed import CFG, LAYERS, MICROBATCHES, Layer, _batch, _init, _wrap, spawn, tensor_parallel_gpt
 from torch import nn
 
 import fxflops
@@ -59,15 +59,8 @@ def _tensor_parallel_rank(rank: int, world: int, port: int, results) -> None:
 
 def _train_tensor_parallel(world: int, instrumented: bool) -> tuple:
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    torch.manual_seed(0)
-    model = TinyGPT(CFG)
-    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
-    plan = {f"layers.{i}.{path}": styles[kind]() for i in range(CFG.layers) for path, kind in TP_PLAN_LAYER.items()}
-    plan["lm_head"] = ColwiseParallel(output_layouts=Replicate())
-    parallelize_module(model, init_device_mesh("cpu", (world,)), plan)
+    model = tensor_parallel_gpt(init_device_mesh("cpu", (world,)))
     step_module = fxflops.instrument(model, backward=True, strict=True) if instrumented else model
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     losses = []

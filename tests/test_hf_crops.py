@@ -20,7 +20,7 @@ import torch
 
 import fxflops
 from fxflops.conventions import FLOPCOUNTER
-from reference import assert_count_on_host_and_device, assert_forward_per_module, assert_symbolic_in, assert_training_call_matches, flop_counter_modules, random_calls, with_attention
+from reference import assert_count_on_host_and_device, assert_forward_per_module, assert_measured_without_tokens, assert_symbolic_in, assert_training_call_matches, flop_counter_modules, random_calls, with_attention
 from test_hf_measured_families import PHI4_IMAGE, build_phi4_multimodal, phi4_batch
 
 pytest.importorskip("transformers")
@@ -97,22 +97,4 @@ def test_crops_without_image_tokens_are_measured_exactly():
     One image token more than the crops give: the model rejects the call, nothing is added."""
     model = build_phi4_multimodal()
     wrapper = fxflops.instrument(model, strict=True)
-    batch = calls(model, "phi4-no-tokens", training=False)[0]
-    with torch.no_grad():
-        wrapper(**batch)
-    ids = batch["input_ids"].masked_fill(batch["input_ids"] == PHI4_IMAGE, 60)
-    without = dict(batch, input_ids=ids)
-    for call in (without, batch):
-        wrapper.flops.reset()
-        with torch.no_grad():
-            wrapper(**call)
-        expected = flop_counter_modules(model, call, backward=False)
-        assert wrapper.flops.total() == expected[""] > 0 and wrapper.flops.uncounted == 0
-    assert expected.get(IMAGE_EMBEDDING, 0) > 0 and flop_counter_modules(model, without, backward=False).get(IMAGE_EMBEDDING, 0) == 0
-    assert set(wrapper.measured) == {"model.embed_tokens_extend"}
-    wrong = batch["input_ids"].clone()
-    wrong[0, 0] = PHI4_IMAGE  # one image token more than the crops give
-    before = wrapper.flops.total()
-    with torch.no_grad(), pytest.raises(Exception):  # the model's own index_put rejects it, not fxflops
-        wrapper(**dict(batch, input_ids=wrong))
-    assert wrapper.flops.total() == before
+    assert_measured_without_tokens(wrapper, model, calls(model, "phi4-no-tokens", training=False)[0], PHI4_IMAGE, IMAGE_EMBEDDING)

@@ -17,11 +17,11 @@ audio tokens). Its audio embedding (transformers, ``models/phi4_multimodal/model
 So its work is in the clips and their padded frames only (input shapes), and the feature embedding
 around it calls it only ``if (input_ids == audio_token_id).any()``: the number of audio tokens, a
 **derived size** (``capture/derived.py``, :class:`~fxflops.capture.derived.TokenCount`) guarded ≥ 1,
-decides that branch. While capturing (the capture's twin only), the encoder's streaming mask is
-all-true of its shape, the audio embedding runs steps 1 and 2 as the model does and writes one
-projected row, expanded to the audio tokens, to the first token rows (a view: no counted work,
-forward or backward), and the feature embedding runs its own code with the ``.any()`` of its
-audio-token test True. Exact under the matmul-family count (FlopCounterMode's, every MFU
+decides that branch (``adapters/token_embeddings.py``, shared with the image embedding). While
+capturing (the capture's twin only), the encoder's streaming mask is all-true of its shape, the
+audio embedding runs steps 1 and 2 as the model does and writes one projected row, expanded to the
+audio tokens, to the first token rows (a view: no counted work, forward or backward), and the
+feature embedding runs its own code with the ``.any()`` of its audio-token test True. Exact under the matmul-family count (FlopCounterMode's, every MFU
 convention); the masks' construction is left out of the trace, so a program with it refuses
 ``count="all"`` (``DerivedSize.leaves_out``). A call without audio tokens is captured without the
 stand-ins and measured (``fxflops/islands.py``).
@@ -30,66 +30,37 @@ stand-ins and measured (``fxflops/islands.py``).
 from __future__ import annotations
 
 import contextlib
-import inspect
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-from fxflops.adapters.crops import TokensPresent
-from fxflops.capture.derived import TokenCount, TracedSize
+from fxflops.adapters.token_embeddings import TokenEmbedding, has_parts, standing_in, written_to_tokens
+from fxflops.capture.derived import TracedSize
 from fxflops.errors import CaptureError
 
 TOKENS = "audio_tokens"
-FEATURES, IDS = "audio_input_features", "input_ids"
+FEATURES = "audio_input_features"
 # names of the audio inputs' dims: clips, their padded feature frames
 AUDIO_DIMS = {FEATURES: {0: "clips", 1: "audio_frames"}, "audio_attention_mask": {0: "clips", 1: "audio_frames"}, "audio_embed_sizes": {0: "clips"}}
-LEFT_OUT = "the encoder's streaming and padding masks (comparisons) and the per-clip selection"
-_EMBEDDING_INPUTS = {IDS, "inputs_embeds", FEATURES, "audio_embed_sizes", "audio_attention_mask"}
+_EMBEDDING_INPUTS = {"input_ids", "inputs_embeds", FEATURES, "audio_embed_sizes", "audio_attention_mask"}
 _PROJECTIONS = ("up_proj_for_speech", "down_proj_for_speech", "up_proj_for_vision_speech", "down_proj_for_vision_speech")
 
 
-def _is_owner(module: torch.nn.Module) -> bool:
-    """An audio embedding with Phi-4-multimodal's parts: an ``encoder`` building a streaming mask,
-    the speech and vision-speech projections, and a forward taking the audio-token ids, the
-    embeddings and the audio inputs."""
-    encoder = getattr(module, "encoder", None)
-    if not isinstance(encoder, torch.nn.Module) or not callable(getattr(encoder, "_streaming_mask", None)):
-        return False
-    if not all(isinstance(getattr(module, p, None), torch.nn.Linear) for p in _PROJECTIONS):
-        return False
-    try:
-        return _EMBEDDING_INPUTS <= set(inspect.signature(module.forward).parameters)
-    except (TypeError, ValueError):
-        return False
-
-
-class AudioClips:
+class AudioClips(TokenEmbedding):
     """The audio handling of one model (see the module docstring), or :meth:`of` None."""
 
-    def __init__(self, owner: str, token: int) -> None:
-        self.owner, self.token = owner, token
+    TOKENS, INPUT, CONFIG, TOKEN_ID = TOKENS, FEATURES, "audio_config", "audio_token_id"
+    LEFT_OUT = "the encoder's streaming and padding masks (comparisons) and the per-clip selection"
 
-    @classmethod
-    def of(cls, model: torch.nn.Module, signature: inspect.Signature) -> AudioClips | None:
-        """The handling for ``model`` when exactly one of its modules is such an audio embedding, its
-        config names the audio token, and the model's forward takes the audio features and ``input_ids``."""
-        if not {FEATURES, IDS} <= set(signature.parameters):
-            return None
-        owners = [(path, m) for path, m in model.named_modules() if _is_owner(m)]
-        if len(owners) != 1 or not owners[0][0]:
-            return None
-        (path, owner), = owners
-        token = getattr(getattr(getattr(owner, "config", None), "audio_config", None), "audio_token_id", None)
-        return cls(path, token) if isinstance(token, int) else None
-
-    def derived_sizes(self, call: dict[str, Any]) -> tuple[TokenCount, ...]:
-        """The audio tokens of a call with audio features and audio tokens."""
-        ids, features = call.get(IDS), call.get(FEATURES)
-        if not (isinstance(ids, torch.Tensor) and isinstance(features, torch.Tensor)):
-            return ()
-        tokens = TokenCount(TOKENS, (IDS,), least=1, token=self.token, leaves_out=LEFT_OUT)
-        return (tokens,) if tokens.value(ids) >= tokens.least else ()
+    @staticmethod
+    def is_owner(module: torch.nn.Module) -> bool:
+        """An audio embedding with Phi-4-multimodal's parts: an ``encoder`` building a streaming mask,
+        the speech and vision-speech projections, and a forward taking the audio-token ids, the
+        embeddings and the audio inputs."""
+        encoder = getattr(module, "encoder", None)
+        streaming = isinstance(encoder, torch.nn.Module) and callable(getattr(encoder, "_streaming_mask", None))
+        return streaming and has_parts(module, _PROJECTIONS, _EMBEDDING_INPUTS)
 
     @contextlib.contextmanager
     def capturing(self, model: torch.nn.Module, sizes: dict[str, TracedSize]) -> Iterator[None]:
@@ -100,9 +71,7 @@ class AudioClips:
             yield
             return
         owner = model.get_submodule(self.owner)
-        parent = model.get_submodule(self.owner.rpartition(".")[0])
         encoder = owner.encoder
-        own = parent.forward
 
         def streaming_mask(seq_len: Any, batch_size: Any, chunk_size: Any, left_chunk: Any) -> torch.Tensor:
             return torch.ones(batch_size, seq_len, seq_len, dtype=torch.bool)
@@ -118,28 +87,8 @@ class AudioClips:
             features = audio_input_features.to(device=up.bias.device, dtype=up.bias.dtype)
             projected = down(torch.nn.functional.gelu(up(encoder(features, audio_attention_mask))))
             rows = projected.reshape(-1, projected.shape[-1])[:1].expand(tokens, projected.shape[-1])
-            flat = inputs_embeds.reshape(-1, inputs_embeds.shape[-1])
-            first = torch.arange(tokens, device=flat.device)
-            written = flat.index_put((first,), rows.to(dtype=flat.dtype, device=flat.device)).view_as(inputs_embeds)
-            drop = getattr(owner, "drop", None)
-            return drop(written) if isinstance(drop, torch.nn.Module) else written
+            return written_to_tokens(owner, inputs_embeds, rows, tokens)
 
-        def feature_embedding(input_ids: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-            with TokensPresent(input_ids, self.token):
-                return own(input_ids, *args, **kwargs)
-
-        stand_ins = ((encoder, "_streaming_mask", streaming_mask), (owner, "forward", embed), (parent, "forward", feature_embedding))
-        before = [(obj, name, vars(obj).get(name, _ABSENT)) for obj, name, _ in stand_ins]
-        for obj, name, stand_in in stand_ins:
-            obj.__dict__[name] = stand_in
-        try:
+        parent, feature_embedding = self.feature_embedding(model)
+        with standing_in([(encoder, "_streaming_mask", streaming_mask), (owner, "forward", embed), (parent, "forward", feature_embedding)]):
             yield
-        finally:
-            for obj, name, value in reversed(before):  # another piece's stand-in (the image crops') back
-                if value is _ABSENT:
-                    obj.__dict__.pop(name, None)
-                else:
-                    obj.__dict__[name] = value
-
-
-_ABSENT = object()
