@@ -133,15 +133,13 @@ class Binder:
     def values(self, args: tuple, kwargs: dict) -> tuple[int, ...]:
         """The free symbols' values for this call, in ``self.symbols`` order; InputError if off-trace."""
         read = self._by_layout.get((len(args), tuple(kwargs)))  # the hot path: one dict lookup
-        return (read or self.reader(args, kwargs))(args, kwargs)
+        return (read or self._reader(args, kwargs))(args, kwargs)
 
     def source(self, args: tuple, kwargs: dict) -> str:
         """The generated reader of calls laid out like this one, as Python source."""
-        return self.reader(args, kwargs).source
+        return self._reader(args, kwargs).source
 
-    def reader(self, args: tuple, kwargs: dict) -> Callable[[tuple, dict], tuple[int, ...]]:
-        """The generated function reading the symbols' values of calls laid out like this one
-        (``values`` with the layout looked up once)."""
+    def _reader(self, args: tuple, kwargs: dict) -> Callable[[tuple, dict], tuple[int, ...]]:
         layout = (len(args), tuple(kwargs))
         read = self._by_layout.get(layout)
         if read is None:

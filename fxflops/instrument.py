@@ -194,7 +194,7 @@ class Instrumented(torch.nn.Module):
         self._lock = threading.Lock()
         self._lock_owner: int | None = None  # the thread holding it
         self._attempt = threading.local()  # .failed: (branch, refusal) of a capture that failed on this thread's call
-        self._recent: dict[tuple, tuple] = {}  # call layout -> (check, modes, program, its state's and binder's checks) of recent situations
+        self._recent: dict[tuple, tuple] = {}  # call layout -> (check, modes, program) of recent situations
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
@@ -430,13 +430,13 @@ class Instrumented(torch.nn.Module):
         from (a measured call's child), part of the situation."""
         note_reparametrization()  # torch.func.functional_call swaps parameters unseen
         layout, modes = (len(args), tuple(kwargs), roots), mode_key()
-        for check, traced_modes, program, matches, read, within in self._recent.get(layout, ()):  # situations seen before: tested fast
-            if traced_modes == modes and check(args, kwargs) and (matches is None or matches()):
+        for check, traced_modes, program in self._recent.get(layout, ()):  # situations seen before: tested fast
+            if traced_modes == modes and check(args, kwargs) and (program.state is None or program.state.matches()):
                 try:
-                    values = read(args, kwargs)
+                    values = program.binder.values(args, kwargs)
                 except InputError:  # MetadataError is raised
                     continue
-                if within(*values):
+                if program.within_guards(*values):
                     return program, values
         # else the general path finds (or captures) the program of this call's situation
         situation = (self._call_keys(args, kwargs), modes) + (() if roots is None else (roots,))
@@ -511,8 +511,7 @@ class Instrumented(torch.nn.Module):
             check = self._call_keys.check(args, kwargs)
             if check is None:
                 return
-            matches = None if program.state is None else program.state.matches
-            entry = (check, situation[1], program, matches, program.binder.reader(args, kwargs), program.within_guards)
+            entry = (check, situation[1], program)
         self._recent[layout] = (entry, *[e for e in recent if e is not entry][: RECENT - 1])
 
     def _nearest_difference(self, situation: tuple) -> str:
