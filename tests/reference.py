@@ -12,6 +12,7 @@ import contextlib
 import copy
 import random
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -365,3 +366,14 @@ def assert_measured_without_tokens(wrapper, model: torch.nn.Module, batch: dict,
     else:
         raise AssertionError("the model accepted more tokens than its media give")
     assert wrapper.flops.total() == before
+
+
+def assert_matmul_count_exact_and_count_all_refused(wrapper, program, model: torch.nn.Module, batch: dict, derived: str) -> None:
+    """``program`` (holding the derived size ``derived``, whose stand-ins leave elementwise work out of
+    the trace) counts ``batch`` as FlopCounterMode does, on the host and with tensor ops; the wrapper's
+    ``count="all"`` is refused naming ``derived``, its matmul-family total is exact."""
+    expected = flop_counter_modules(model, batch, backward=False)[""]
+    assert_count_on_host_and_device(program, batch, expected)
+    with pytest.raises(ValueError, match=derived):
+        wrapper.flops.total(convention=FLOPCOUNTER.but(count="all"))
+    assert wrapper.flops.total() == expected

@@ -19,8 +19,7 @@ import pytest
 import torch
 
 import fxflops
-from fxflops.conventions import FLOPCOUNTER
-from reference import assert_count_on_host_and_device, assert_forward_per_module, assert_measured_without_tokens, assert_symbolic_in, assert_training_call_matches, flop_counter_modules, random_calls, with_attention
+from reference import assert_matmul_count_exact_and_count_all_refused, assert_forward_per_module, assert_measured_without_tokens, assert_symbolic_in, assert_training_call_matches, random_calls, with_attention
 from test_hf_measured_families import PHI4_IMAGE, build_phi4_multimodal, phi4_batch
 
 pytest.importorskip("transformers")
@@ -82,12 +81,7 @@ def test_the_derived_size_is_the_image_tokens_on_the_host_and_on_a_device():
     assert values["image_tokens"] == image_tokens(batch) > 0
     assert "image_tokens" in {str(s) for s in program.formula("model.embed_tokens_extend.image_embed.img_projection_up").free_symbols}
     assert "input_ids" in program.describe_symbols()["image_tokens"]
-    expected = flop_counter_modules(model, batch, backward=False)[""]
-    assert_count_on_host_and_device(program, batch, expected)
-    # the per-image layout's elementwise work is not in the trace: count="all" is refused, naming it
-    with pytest.raises(ValueError, match="image_tokens"):
-        wrapper.flops.total(convention=FLOPCOUNTER.but(count="all"))
-    assert wrapper.flops.total() == expected
+    assert_matmul_count_exact_and_count_all_refused(wrapper, program, model, batch, "image_tokens")
 
 
 def test_crops_without_image_tokens_are_measured_exactly():

@@ -12,6 +12,7 @@ the ``.any()`` of its token test True (:class:`TokensPresent`).
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import inspect
 from collections.abc import Iterator
@@ -42,7 +43,7 @@ class TokensPresent(TorchFunctionMode):
         return out
 
 
-class TokenEmbedding:
+class TokenEmbedding(abc.ABC):
     """One model's embedding of a modality onto its tokens (see the module docstring). Subclasses
     name the derived size (``TOKENS``), the modality's input (``INPUT``), where the owner's config
     keeps the token (``CONFIG``, ``TOKEN_ID``), what their stand-ins leave out of the trace
@@ -58,8 +59,9 @@ class TokenEmbedding:
         self.owner, self.token = owner, token
 
     @staticmethod
+    @abc.abstractmethod
     def is_owner(module: torch.nn.Module) -> bool:
-        raise NotImplementedError
+        """Whether ``module`` is this modality's embedding (its parts and forward's inputs)."""
 
     @classmethod
     def of(cls, model: torch.nn.Module, signature: inspect.Signature) -> TokenEmbedding | None:
