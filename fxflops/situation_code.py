@@ -14,11 +14,18 @@ its key is its code and closure, its globals are read here; a saved program keep
 functions only). Plain values (numbers,
 strings, flags, tuples of them) are compared by value, functions by identity. A module-level list,
 dict or set of plain values is compared by value too (a setting changed in place, ``CONFIG["layers"]
-= 2``, is another situation), unless the code fills it in place (``CACHE[key] = ...``,
-``SEEN.add(...)``: a cache or a registry, compared by identity, or every new entry would be another
-situation; :func:`_filled`), or it holds more than :data:`MAX_COMPARED` values. Names the
-code itself assigns (``global calls; calls += 1``, ``nonlocal``) are its bookkeeping and are not
-guarded (else every call would be another situation, as a recompile per call is under Dynamo). The
+= 2``, is another situation). How the code uses a container decides the rest (:func:`_uses`, from
+the bytecode): one it only fills in place (``LOG.append(...)``, ``SEEN.add(...)``, ``STATS[k] =
+v``) is a log or a registry, compared by identity, or every new entry would be another situation;
+one it fills and also reads (``if key not in CACHE: CACHE[key] = w @ w.T``) is a memo, compared
+by its entries (:class:`Entries`): whether an entry is there decides whether its work runs, so the
+first call (which computes) and the later ones (which find it) are two situations; any other
+container holding more than plain values, or more than :data:`MAX_COMPARED` of them, by its
+number of entries (code that fills it through an alias or a library helper is still seen). Names the
+code itself assigns (``global calls; calls += 1``, ``nonlocal``) are compared by type only
+(:class:`OfType`; ``None`` and flags by value): a counter is its bookkeeping, not a situation (as a
+recompile per call would be under Dynamo), while a lazily made value (``if _TABLE is None: _TABLE =
+...``) is another situation once made. The
 same bytecode tells which attributes the code only fills in place and never reads otherwise (a log,
 ``self.records.append(...)``): ``situation.py`` compares those by identity.
 (Attributes of the model's modules and of the objects they hold, class attributes among them, are
@@ -78,25 +85,67 @@ def code_reads(model: torch.nn.Module, called: dict[str, set[str]], functions: l
     ``module.losses.extend(...)`` in a hook) and uses in no other way: a log the model keeps, which
     ``situation.py`` compares by identity, or every call that adds to it would be another situation.
     One it also reads (``torch.cat(self.mems)``, ``len(self.records)``) stays compared by value: its
-    contents can change the count (a memory the next call attends over)."""
+    contents can change the count (a memory the next call attends over). Containers of the globals
+    and closures are compared as :func:`_container_read` says."""
     found: dict[tuple[int, str | None], CodeRead] = {}
-    filled: set[tuple[int, str | None]] = set()  # containers some function fills in place
-    mutated: set[str] = set()
-    used: set[str] = set()
+    changed: set[tuple[int, str | None]] = set()  # containers some function changes in place
+    used: set[tuple[int, str | None]] = set()  # containers some function reads, tests or passes on
+    attributes_changed: set[str] = set()
+    attributes_used: set[str] = set()
     for fn, reads in _followed(model, called, functions):
-        names, changed, other_uses = _filled(fn.__code__)
-        mutated |= changed
-        used |= other_uses
+        uses = _uses(fn.__code__)
+        attributes_changed |= uses.attributes_changed
+        attributes_used |= uses.attributes_used
         for name, read in reads:
             where = (id(read.namespace), read.key)
             found.setdefault(where, read)
-            if name in names:
-                filled.add(where)
-    code = [
-        dataclasses.replace(read, expected=read.now(), test="is") if where in filled and read.test == "==" and isinstance(read.expected, _MUTABLE) else read
-        for where, read in found.items()
-    ]
-    return code, mutated - used
+            if name in uses.names_changed:
+                changed.add(where)
+            if name in uses.names_used:
+                used.add(where)
+    code = [_container_read(read, where in changed, where in used) for where, read in found.items()]
+    return code, attributes_changed - attributes_used
+
+
+def _container_read(read: CodeRead, changed: bool, used: bool) -> CodeRead:
+    """How a list, dict or set the code can read is compared (module docstring): one the code only
+    fills in place by identity (a log, a registry); one it fills and also reads by its entries
+    (a memo: whether an entry is there decides whether its work runs); any other by value when it
+    is small and plain, else by its number of entries (another code's fill, through an alias or a
+    library helper, still shows)."""
+    value = read.now()
+    if not isinstance(value, _MUTABLE) or isinstance(read.expected, OfType):
+        return read
+    if changed and not used:
+        return dataclasses.replace(read, expected=value, test="is")
+    if changed:
+        return dataclasses.replace(read, expected=Entries(value, keys=True), test="==")
+    if read.test == "is":
+        return dataclasses.replace(read, expected=Entries(value, keys=False), test="==")
+    return read
+
+
+class Entries:
+    """The expected value of a container compared by its entries, not their values: equal to the
+    same object holding as many entries, and with ``keys`` the same keys (a dict's keys, a set's
+    items, up to :data:`MAX_COMPARED`). A memo that gains an entry, or a list that grows, is
+    another situation; an entry's value replaced in place is not."""
+
+    __slots__ = ("container", "size", "keys")
+
+    def __init__(self, container: list | dict | set, keys: bool) -> None:
+        self.container, self.size = container, len(container)
+        self.keys = frozenset(container) if keys and isinstance(container, (dict, set)) and self.size <= MAX_COMPARED else None
+
+    def __eq__(self, other: object) -> bool:
+        if other is not self.container or len(other) != self.size:
+            return False
+        return self.keys is None or (other.keys() if isinstance(other, dict) else other) == self.keys
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"{type(self.container).__name__} with {len(self.container)} entries"
 
 
 def _followed(
@@ -196,7 +245,7 @@ def _written(code: types.CodeType) -> frozenset[str]:
 
 
 _LOADS = frozenset({"LOAD_GLOBAL", "LOAD_NAME", "LOAD_DEREF", "LOAD_CLASSDEREF"})
-_SUBSCRIPT_WRITES = frozenset({"STORE_SUBSCR", "DELETE_SUBSCR"})
+_CONTAINER_WRITES = {"STORE_SUBSCR": 1, "DELETE_SUBSCR": 1, "STORE_SLICE": 2}  # operands pushed after the container
 _MUTATORS = frozenset({
     "append", "extend", "insert", "pop", "popitem", "remove", "clear", "update", "setdefault", "add", "discard",
     "sort", "reverse", "appendleft", "extendleft", "popleft", "__setitem__", "__delitem__", "__iadd__", "__ior__",
@@ -204,40 +253,87 @@ _MUTATORS = frozenset({
 })
 
 
+@dataclass(frozen=True)
+class Uses:
+    """How one code object uses the containers it names (:func:`_uses`): the globals and closure
+    variables it changes in place and those it uses in any other way (reads an entry, tests
+    membership, takes the length, passes on), and the same for attributes (``self.records``)."""
+
+    names_changed: frozenset[str]
+    names_used: frozenset[str]
+    attributes_changed: frozenset[str]
+    attributes_used: frozenset[str]
+
+
 @functools.lru_cache(maxsize=8192)
-def _filled(code: types.CodeType) -> tuple[frozenset[str], frozenset[str], frozenset[str]]:
-    """(the globals and closure variables the code changes in place, the attributes it changes in
-    place, the attributes it uses otherwise). Changed in place: a name whose mutating method it looks
-    up (``CACHE.setdefault``, ``SEEN.add(...)``, ``self.records.append``), and every such name it
-    loads in a statement that assigns or deletes a subscript (``CACHE[key] = v``; conservatively also
-    ``out[CONFIG["i"]] = v``, which only keeps that container compared by identity). An attribute
-    used otherwise (``len(self.mems)``, ``torch.cat(self.mems)``, ``self.cache[key]`` read) has
-    contents the count may depend on."""
-    names: set[str] = set()
-    changed: set[tuple[int, int]] = set()  # (code number, offset) of attribute loads that change a container
-    attribute_loads: list[tuple[tuple[int, int], str]] = []
+def _uses(code: types.CodeType) -> Uses:
+    """How ``code`` (nested code too) uses what it loads, from its bytecode. A loaded value is
+    changed in place when a mutating method is looked up on it (``CACHE.setdefault``,
+    ``SEEN.add(...)``, ``self.records.append``) or it is the container of a subscript assignment or
+    deletion (``CACHE[key] = v``, ``del self.cache[k]``), found by walking back over the key's
+    expression with the instructions' stack effects, with its other loads in that statement
+    (addressing: ``self.norms[len(self.norms)] = v``); where that walk cannot tell (a jump, a
+    ``COPY``/``SWAP`` as in ``CACHE[k] += 1``), every load of the statement counts as both changed
+    and used. Every other load is a use: ``key in CACHE``, ``CACHE[key]``, ``len(self.mems)``,
+    ``torch.cat(self.mems)``, ``self.cache.get(k)``."""
+    loads: list[tuple[tuple[int, int], str, str]] = []  # (where, "name" or "attribute", name)
+    changed: set[tuple[int, int]] = set()
+    both: set[tuple[int, int]] = set()  # loads the walk could not place: changed and used
     for number, c in enumerate(_codes(code)):
         instructions = list(dis.get_instructions(c))
-        attribute_loads += [((number, i.offset), i.argval) for i in instructions if i.opname == "LOAD_ATTR"]
-        statement: list[dis.Instruction] = []
-        for instruction in [*instructions, None]:
-            line = None if instruction is None else _line_of(instruction)
-            if instruction is None or (line is not None and statement and line != _line_of(statement[0])):
-                if any(i.opname in _SUBSCRIPT_WRITES for i in statement):
-                    names.update(i.argval for i in statement if i.opname in _LOADS)
-                    changed.update((number, i.offset) for i in statement if i.opname == "LOAD_ATTR")
-                statement = []
-            if instruction is not None:
-                statement.append(instruction)
-        for loaded, looked_up in zip(instructions, instructions[1:]):
-            if looked_up.opname in ("LOAD_ATTR", "LOAD_METHOD") and looked_up.argval in _MUTATORS:
-                if loaded.opname in _LOADS:
-                    names.add(loaded.argval)
-                elif loaded.opname == "LOAD_ATTR":
-                    changed.update({(number, loaded.offset), (number, looked_up.offset)})  # the method's lookup is no use
-    mutated = frozenset(name for where, name in attribute_loads if where in changed)
-    used = frozenset(name for where, name in attribute_loads if where not in changed)
-    return frozenset(names), mutated, used
+        for at, instruction in enumerate(instructions):
+            where = (number, instruction.offset)
+            if _kind(instruction) is not None:
+                loads.append((where, _kind(instruction), instruction.argval))
+            if instruction.opname in ("LOAD_ATTR", "LOAD_METHOD") and instruction.argval in _MUTATORS and at:
+                changed.update({(number, instructions[at - 1].offset), where})  # the method's lookup is no use
+            elif instruction.opname in _CONTAINER_WRITES:
+                container = _container_of(instructions, at, _CONTAINER_WRITES[instruction.opname])
+                statement = instructions[_statement_start(instructions, at) : at]
+                if container is None:
+                    both.update((number, i.offset) for i in statement)
+                else:  # with its loads in the same statement: addressing (``self.norms[len(self.norms)] = v``)
+                    same = _kind(container), container.argval
+                    changed.update((number, i.offset) for i in statement if i is container or (_kind(i), i.argval) == same)
+    changed |= both
+
+    def of(kind: str, wanted: bool) -> frozenset[str]:
+        return frozenset(name for where, k, name in loads if k == kind and ((where in changed) == wanted or where in both))
+
+    return Uses(of("name", True), of("name", False), of("attribute", True), of("attribute", False))
+
+
+def _container_of(instructions: list[dis.Instruction], at: int, operands: int) -> dis.Instruction | None:
+    """The instruction that loads the container a subscript write at ``at`` writes to (None when the
+    bytecode before it is not a plain run of expressions): walk back over the ``operands`` key
+    expressions, each of which leaves one more value on the stack than it takes."""
+    height = 0
+    for k in range(at - 1, -1, -1):
+        instruction = instructions[k]
+        if instruction.opname in ("COPY", "SWAP", "DUP_TOP", "ROT_TWO", "ROT_THREE") or _jumps(instruction):
+            return None
+        try:
+            height += dis.stack_effect(instruction.opcode, instruction.arg if instruction.opcode >= dis.HAVE_ARGUMENT else None)
+        except ValueError:
+            return None
+        if height == operands:
+            return instructions[k - 1] if k and not instructions[k].is_jump_target else None
+    return None
+
+
+def _kind(instruction: dis.Instruction) -> str | None:
+    return "name" if instruction.opname in _LOADS else "attribute" if instruction.opname == "LOAD_ATTR" else None
+
+
+def _jumps(instruction: dis.Instruction) -> bool:
+    return instruction.is_jump_target or instruction.opcode in dis.hasjrel or instruction.opcode in dis.hasjabs
+
+
+def _statement_start(instructions: list[dis.Instruction], at: int) -> int:
+    """The index of the first instruction of the line ``instructions[at]`` belongs to."""
+    while at > 0 and _line_of(instructions[at]) is None:
+        at -= 1
+    return at
 
 
 def _line_of(instruction: dis.Instruction) -> int | None:
@@ -252,26 +348,52 @@ def _reads_of(fn: types.FunctionType) -> Iterator[tuple[str, CodeRead]]:
     namespace = fn.__globals__
     where = getattr(fn, "__module__", None) or "?"
     written = _written(fn.__code__)
-    for name in {n for code in _codes(fn.__code__) for n in code.co_names} - written:
+    for name in {n for code in _codes(fn.__code__) for n in code.co_names}:
         if name in namespace:
-            read = _read(f"{where}.{name} (a global {fn.__qualname__} reads)", namespace, name, namespace[name])
+            label = f"{where}.{name} (a global {fn.__qualname__} {'sets' if name in written else 'reads'})"
+            read = (_assigned if name in written else _read)(label, namespace, name, namespace[name])
             if read is not None:
                 yield name, read
     if hasattr(fn, "__wrapped__"):  # a decorator's wrapper: its cells hold the decorator's settings
         return
     for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ()):
-        if name in written:
-            continue
         try:
             value = cell.cell_contents
         except ValueError:  # an empty cell
             continue
-        read = _read(f"{fn.__qualname__}'s closure variable {name}", cell, None, value)
+        label = f"{fn.__qualname__}'s closure variable {name}"
+        read = (_assigned if name in written else _read)(label, cell, None, value)
         if read is not None:
             yield name, read
 
 
 _MUTABLE = (list, dict, set)
+
+
+def _assigned(label: str, namespace: Any, key: str | None, value: Any) -> CodeRead:
+    """A global or closure variable the code assigns: compared by its type (``None`` and flags by
+    value), not its value. A counter (``calls += 1``) stays one situation; a lazily made value
+    (``if _TABLE is None: _TABLE = w @ w.T``), whose work runs only while it is unset, is another."""
+    if isinstance(value, (bool, type(None))):
+        return CodeRead(label, namespace, key, value, "is")
+    return CodeRead(label, namespace, key, OfType(value), "==")
+
+
+class OfType:
+    """The expected value of a variable the code assigns: equal to any value of the same type."""
+
+    __slots__ = ("type",)
+
+    def __init__(self, value: Any) -> None:
+        self.type = type(value)
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is self.type
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"a {self.type.__name__}"
 
 
 def _read(label: str, namespace: Any, key: str | None, value: Any) -> CodeRead | None:

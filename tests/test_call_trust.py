@@ -487,6 +487,117 @@ def _repeat_by_setting(h):
     return h.repeat(TIMES, 1)
 
 
+_PRODUCTS: dict = {}  # a memo: filled by the code, then read; an entry there skips its work
+_GRAM = None  # made lazily by the code: once set, its work is skipped
+
+
+def _product_memo():
+    """A memo held in a closure (found through the cell the function loads)."""
+    products: dict = {}
+
+    def product(weight):
+        if "gram" not in products:
+            products["gram"] = weight @ weight.T
+        return products["gram"]
+
+    return product, products
+
+
+class Memoizing(nn.Module):
+    """Work done once and kept: a module-level dict, a closure's dict, a module-level dict filled
+    through a local alias (code that is not seen filling it), and a global the code sets lazily."""
+
+    def __init__(self, where: str) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.where = where
+        self.product, self.closure_cache = _product_memo()
+
+    def forward(self, x):
+        weight = self.fc.weight.detach()
+        if self.where == "global":
+            if "gram" not in _PRODUCTS:
+                _PRODUCTS["gram"] = weight @ weight.T
+            gram = _PRODUCTS["gram"]
+        elif self.where == "closure":
+            gram = self.product(weight)
+        elif self.where == "alias":
+            kept = _PRODUCTS
+            if "gram" not in kept:
+                kept["gram"] = weight @ weight.T
+            gram = kept["gram"]
+        else:
+            global _GRAM
+            if _GRAM is None:
+                _GRAM = weight @ weight.T
+            gram = _GRAM
+        return self.fc(x) @ gram
+
+    def clear(self) -> None:
+        global _GRAM
+        _PRODUCTS.clear()
+        self.closure_cache.clear()
+        _GRAM = None
+
+
+def _measured_call(wrapper, x, backward: bool) -> int:
+    """FlopCounterMode around the real call itself: what ran, with the memo as it was (a second
+    run of the model for the reference would find the memo the first one filled)."""
+    wrapper.flops.reset()
+    with torch.utils.flop_counter.FlopCounterMode(display=False) as counter:
+        out = wrapper(x)
+        if backward:
+            out.sum().backward()
+    assert wrapper.flops.uncounted == 0
+    return counter.get_total_flops()
+
+
+@pytest.mark.parametrize("backward", [False, True])
+@pytest.mark.parametrize("where", ["global", "closure", "alias", "lazy"])
+def test_a_memo_the_code_fills_and_reads_is_compared_by_its_entries(backward, where):
+    """The first call computes the product and keeps it; later calls skip that work. Compared by
+    identity (as a log is), the memo would keep the first call's program: every later call
+    overcounted by the product's FLOPs."""
+    model = Memoizing(where)
+    model.clear()
+    wrapper = fxflops.instrument(model, backward=backward)
+    sizes = [3, 5, 5, "clear", 7, 4]
+    for n in sizes:
+        if n == "clear":  # emptied by the user: the work runs again
+            model.clear()
+            continue
+        expected = _measured_call(wrapper, torch.randn(n, 8), backward)
+        assert wrapper.flops.total() == expected, f"{where}: batch {n}"
+    assert wrapper.captures == 2  # memo empty, memo filled (the state after the clear is the first's)
+    model.clear()
+
+
+SLOT = {"at": 0}  # a setting read only to address a write: still a setting
+
+
+class Addressed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.big = nn.Linear(8, 8), nn.Linear(8, 32)
+
+    def forward(self, x):
+        outs = [None, None]
+        outs[SLOT["at"]] = self.fc(x)
+        return outs[0] if outs[0] is not None else self.big(outs[1])
+
+
+def test_a_setting_read_in_a_writes_key_is_a_setting_not_a_log():
+    """``outs[SLOT["at"]] = ...`` fills ``outs``, not ``SLOT``: SLOT changed in place is another situation."""
+    model = Addressed()
+    wrapper = fxflops.instrument(model)
+    try:
+        _check(wrapper, model, False, "slot 0")
+        SLOT["at"] = 1
+        _check(wrapper, model, False, "slot 1: the big layer runs")
+    finally:
+        SLOT["at"] = 0
+
+
 def test_a_function_argument_s_globals_guard_its_program():
     global TIMES
     model = Takes()
