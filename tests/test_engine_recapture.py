@@ -43,6 +43,7 @@ def _rank(rank: int, world: int, port: int, results) -> None:
     torch.distributed.destroy_process_group()
 
 
+@pytest.mark.long
 def test_an_evaluation_call_captured_mid_training_leaves_fsdp2_running():
     results = spawn(_rank, 2)  # a rank raising (FSDP2's all-gather) fails the spawn
     for rank in range(2):

@@ -168,7 +168,8 @@ def test_checkpointing_adds_recompute_and_leaves_model_flops_unchanged(rows):
     assert recompute["blocks.3"] == 0  # selective checkpointing saved the matmuls: none recomputed
 
 
-def test_example_vlm_forward_backward_equals_flopcountermode():
+@pytest.mark.parametrize("draws", [5, pytest.param(12, marks=pytest.mark.long)])
+def test_example_vlm_forward_backward_equals_flopcountermode(draws):
     """The packed VLM with fxflops' varlen op, fwd+bwd from one capture, against FlopCounterMode on
     the same batches run with SDPA per segment (the kernel the varlen op runs, CPU attention counted
     with torch's formulas), total and per top-level module (each module replayed alone)."""
@@ -186,7 +187,7 @@ def test_example_vlm_forward_backward_equals_flopcountermode():
         model, dims={"input_ids": {1: "tokens"}, "pixel_values": {0: "patches"}}, backward=True, on_miss="raise", strict=True
     )
     rng = random.Random(0)
-    for draw in range(12):
+    for draw in range(draws):
         batch = random_batch(cfg, rng, images=(1, 5), sequences=(1, 12), padding=rng.choice([0, 4]))
         got = train_step(wrapper, batch.inputs())
         expected = per_module_training_reference(reference, *batch.inputs())

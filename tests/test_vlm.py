@@ -32,12 +32,13 @@ def models():
     return model, reference
 
 
-def test_random_microbatches_equal_flopcountermode_per_module(models):
+@pytest.mark.parametrize("draws", [20, pytest.param(50, marks=pytest.mark.long)])
+def test_random_microbatches_equal_flopcountermode_per_module(models, draws):
     model, reference = models
     wrapper = fxflops.instrument(model, dims=DIMS, segments=SEGMENTS, on_miss="raise", strict=True)
     rng = random.Random(1)
     images_seen = set()
-    for draw in range(50):
+    for draw in range(draws):
         batch = random_batch(CFG, rng, images=(1, 8), frames=(1, 3), sequences=(1, 32), padding=rng.choice([0, 0, 3, 17]))
         images_seen.add(len(batch.image_grid_thw))
         count_and_compare(wrapper, reference, batch.inputs(), draw)
