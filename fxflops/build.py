@@ -22,6 +22,7 @@ from fxflops.capture.ambient import clean_slate
 from fxflops.capture.trace import capture
 from fxflops.program import Program, backward_rule
 from fxflops.rules import overlaid
+from fxflops.rules.work import does_floating_work
 from fxflops.situation import mode_key
 
 
@@ -53,7 +54,7 @@ def build_program(
     with clean_slate(), overlaid(rules):
         captured = capture(
             model, args, kwargs, dims, allow_pins=allow_pins, per_segment=per_segment,
-            backward=backward == "traced", adapter=adapter, roots=roots,
+            backward=backward == "traced", adapter=adapter, roots=roots, floating_work=does_floating_work,
         )
         program = Program.from_capture(captured, model, segments, strict_metadata, backward, prepare=adapter.prepare)
     program.situation = situation if situation is not None else (program.call_keys(args, kwargs), modes)

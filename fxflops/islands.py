@@ -37,7 +37,6 @@ fails the call is not counted (``uncounted``, warned), never counted in part.
 
 from __future__ import annotations
 
-import functools
 import threading
 import types
 from collections import defaultdict
@@ -62,8 +61,8 @@ from fxflops.errors import CaptureError, FxFlopsError
 from fxflops.program import Program
 from fxflops.routing import dispatched_flops
 from fxflops.rules import entry_for, overlaid, registry_version
-from fxflops.rules.elementwise import MOVES_DATA
-from fxflops.rules.not_counted import is_not_counted, touches_floats
+from fxflops.rules.not_counted import touches_floats
+from fxflops.rules.work import work_without_rule
 from fxflops.rules.registry import shape_of
 
 if TYPE_CHECKING:
@@ -82,7 +81,7 @@ def op_work(func: Any, args: tuple, kwargs: dict, out: Any, entry: Any = False) 
     looked it up already (None: it has none)."""
     entry = entry_for(func) if entry is False else entry
     if entry is None:
-        kind = _without_rule(func)
+        kind = work_without_rule(func)
         if kind == "none" or not touches_floats([*args, *kwargs.values()], out):
             return None
         if kind == "unsupported":
@@ -100,21 +99,6 @@ def op_work(func: Any, args: tuple, kwargs: dict, out: Any, entry: Any = False) 
     exact = entry.causal(*shapes, out_shape=out_shape, **named) if entry.causal is not None and _says_causal(func, args, kwargs) else None
     share = entry.recomputed(*shapes, out_shape=out_shape, **named) if entry.recomputed is not None else None
     return entry.kind, dense, exact, share
-
-
-@functools.cache
-def _without_rule(func: Any) -> str:
-    """What an op without a rule is, from what it is (its name, its ATen tags), as
-    :func:`~fxflops.rules.elementwise.elementwise_cost` prices it: ``"pointwise"`` or
-    ``"reduction"``, ``"unsupported"`` (a floating op fxflops has no rule for) or ``"none"`` (data
-    movement, views, indexing, index math: no floating-point work)."""
-    if not isinstance(func, torch._ops.OpOverload) or func._schema.name.split("::")[-1] in MOVES_DATA:
-        return "none"
-    if torch.Tag.pointwise in func.tags:
-        return "pointwise"
-    if torch.Tag.reduction in func.tags:
-        return "reduction"
-    return "none" if is_not_counted(func) else "unsupported"
 
 
 def _says_causal(func: Any, args: tuple, kwargs: dict) -> bool:

@@ -14,7 +14,10 @@ sizes meet its guards. The situation has three parts, checked on every counted c
 - :class:`ModelState`: the model's state the trace depended on (``capture/reads.py`` recorded what it
   read): ``training`` flags and every other plain attribute the trace read from a module or from an
   object a module holds (``config._attn_implementation``; a list, dict or set the model's code or
-  hooks only fill in place, ``self.records.append(...)``, by identity: ``situation_code.code_reads``), which parameters require grad (programs
+  hooks only fill in place, ``self.records.append(...)``, by identity: ``situation_code.code_reads``), the
+  globals and closure values the code the trace ran reads (``fxflops/situation_code.py``), whether
+  each ``functools.lru_cache`` whose work the trace counted is empty (``capture/side_effects.py``:
+  the trace computed on a miss), which parameters require grad (programs
   traced with grad enabled), and the model's structure: the identity of every module, parameter and
   buffer, their shapes, dtypes and devices, and the number of hooks. The modules a module holds
   without registering them (a distillation teacher in ``__dict__``, modules in a dict attribute:
@@ -328,6 +331,7 @@ class ModelState:
         code, filled = code_reads(model, self.called, self.functions)  # globals and closures of the code the trace ran
         self.guards = _guards_from(model, reads, copies, constants, filled)
         self.requires_grad = {n: p.requires_grad for n, p in model.named_parameters()} if grad else {}
+        self.memos = list(reads.memos.values())  # lru caches whose work the trace did: (cache, empty then)
         self._bind(code)
 
     def _bind(self, code: list[CodeRead] | None = None) -> None:
@@ -368,6 +372,9 @@ class ModelState:
         if frozen:
             scope["_frozen"] = frozen
             tests.append("not _any(*_frozen)")
+        for k, (cache, empty) in enumerate(self.memos):  # empty or not, as when traced (situation_code.py)
+            scope[f"_m{k}"] = cache
+            tests.append(f"(_m{k}.cache_info().currsize == 0) is {empty}")
         for i, name in enumerate(n for n, wanted in self.requires_grad.items() if wanted):
             scope[f"_p{i}"] = parameters[name]
             tests.append(f"_p{i}.requires_grad")
@@ -475,6 +482,10 @@ class ModelState:
         for read in self.code:
             if not read.holds():
                 return f"{read.label} changed since the program was traced"
+        for cache, empty in self.memos:
+            if (cache is None or cache.cache_info().currsize == 0) is not empty:
+                state = "unknown (not saved)" if cache is None else "empty" if not empty else "filled"
+                return f"the lru cache of {getattr(cache, '__qualname__', 'a function')} is {state}, the program was traced with it {'empty' if empty else 'filled'}"
         for name, p in self.model.named_parameters():
             if name in self.requires_grad and p.requires_grad != self.requires_grad[name]:
                 return f"parameter {name!r} has requires_grad={p.requires_grad}, the program was traced with {self.requires_grad[name]}"
@@ -489,10 +500,14 @@ class ModelState:
             for g in self.guards
         ]
         functions = [f for f in self.functions if importable(f)]  # a lambda argument's reads are not saved
-        return {"model": self.model, "guards": guards, "called": self.called, "functions": functions, "requires_grad": self.requires_grad}
+        memos = [(cache if importable(cache) else None, empty) for cache, empty in self.memos]  # None: never matches
+        return {
+            "model": self.model, "guards": guards, "called": self.called, "functions": functions, "requires_grad": self.requires_grad,
+            "memos": memos,
+        }
 
     def __setstate__(self, state: dict) -> None:
-        self.__dict__.update({"functions": [], **state})
+        self.__dict__.update({"functions": [], "memos": [], **state})
         self._bind()  # the copy's own objects: identities do not survive a copy
 
 

@@ -572,6 +572,84 @@ def test_a_memo_the_code_fills_and_reads_is_compared_by_its_entries(backward, wh
     model.clear()
 
 
+@functools.lru_cache(maxsize=None)
+def _gram_of_ones(n: int) -> torch.Tensor:
+    ones = torch.ones(n, n)
+    return ones @ ones
+
+
+def _lru_behind_a_wrapper(function):
+    """A decorator whose wrapper calls an lru cache held in its closure (transformers'
+    ``compile_compatible_method_lru_cache`` is one)."""
+    cached = functools.lru_cache(maxsize=4)(function)
+
+    @functools.wraps(function)
+    def wrapper(*args, **kwargs):
+        return cached(*args, **kwargs)
+
+    wrapper.cache = cached
+    return wrapper
+
+
+@_lru_behind_a_wrapper
+def _wrapped_gram(n: int) -> torch.Tensor:
+    ones = torch.ones(n, n)
+    return ones @ ones
+
+
+class LruMemoizing(nn.Module):
+    """Matmul work done inside an lru-cached function: only on a miss. The tail's own code calls
+    it (a module-level cache, a static method's, or one behind a decorator's wrapper)."""
+
+    def __init__(self, where: str) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.tail = _LruTail(where)
+
+    def forward(self, x):
+        return self.tail(self.fc(x))
+
+    def cache(self):
+        return {"global": _gram_of_ones, "static": _LruTail.gram, "wrapped": _wrapped_gram.cache}[self.tail.where]
+
+
+class _LruTail(nn.Module):
+    def __init__(self, where: str) -> None:
+        super().__init__()
+        self.where, self.fc = where, nn.Linear(8, 8)
+
+    @staticmethod
+    @functools.lru_cache(maxsize=None)
+    def gram(n: int) -> torch.Tensor:
+        ones = torch.ones(n, n)
+        return ones @ ones
+
+    def forward(self, h):
+        gram = {"global": _gram_of_ones, "static": _LruTail.gram, "wrapped": _wrapped_gram}[self.where](8)
+        return self.fc(h @ gram)
+
+
+@pytest.mark.parametrize("backward", [False, True])
+@pytest.mark.parametrize("where", ["global", "static", "wrapped"])
+def test_work_an_lru_cache_may_skip_is_counted_as_it_runs(backward, where):
+    """The capture calls a cache of its own (it must: the user's never gets a fake), which starts
+    empty, so the trace always computes. The program is used only while the user's cache is empty
+    too; with entries, the module calling the cache is measured per call (a hit costs nothing,
+    a miss its matmul). Before, every call after the first overcounted by the cached matmul."""
+    model = LruMemoizing(where)
+    model.cache().cache_clear()
+    wrapper = fxflops.instrument(model, backward=backward)
+    for n in [3, 5, "clear", 7, 4]:
+        if n == "clear":  # emptied by the user: the work runs again
+            model.cache().cache_clear()
+            continue
+        expected = _measured_call(wrapper, torch.randn(n, 8), backward)
+        assert wrapper.flops.total() == expected, f"{where}: batch {n}"
+    assert wrapper.captures == 1  # the program of the empty cache, used again after the clear
+    assert set(wrapper.measured) == {"tail"} and "lru_cache" in wrapper.measured["tail"]  # the smallest measured set
+    model.cache().cache_clear()
+
+
 SLOT = {"at": 0}  # a setting read only to address a write: still a setting
 
 

@@ -98,6 +98,7 @@ def test_the_derived_size_is_the_audio_tokens_on_the_host_and_on_a_device():
     assert_matmul_count_exact_and_count_all_refused(wrapper, program, model, batch, "audio_tokens")
 
 
+@pytest.mark.long
 def test_audio_without_audio_tokens_is_measured_exactly():
     """Audio features but no audio token: the model skips its audio embedding, outside the program (its
     guard: at least one audio token): captured again and measured, as FlopCounterMode counts it (no

@@ -84,6 +84,7 @@ def test_the_derived_size_is_the_image_tokens_on_the_host_and_on_a_device():
     assert_matmul_count_exact_and_count_all_refused(wrapper, program, model, batch, "image_tokens")
 
 
+@pytest.mark.long
 def test_crops_without_image_tokens_are_measured_exactly():
     """Crops but no image token: the model skips its image embedding (``if (input_ids ==
     image_token_id).any()``), outside the program (its guard T >= 1): captured again and measured,

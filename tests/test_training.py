@@ -23,7 +23,7 @@ from fxflops.models.tiny_gpt import GPTConfig, TinyGPT
 from reference import model_training_reference_total, per_module_training_reference, training_reference_total
 from zoo import CASES
 
-DRAWS_PER_MODEL = 20  # 5 models -> 100 random shapes
+DRAWS_PER_MODEL = 10  # 5 models -> 50 random shapes (the long suite: 25 each)
 
 
 def train_step(wrapper, inputs) -> dict[str, int]:
@@ -33,13 +33,14 @@ def train_step(wrapper, inputs) -> dict[str, int]:
     return wrapper.flops.breakdown()
 
 
+@pytest.mark.parametrize("draws", [DRAWS_PER_MODEL, pytest.param(25, marks=pytest.mark.long)])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
-def test_forward_backward_flops_equal_flopcountermode(case):
+def test_forward_backward_flops_equal_flopcountermode(case, draws):
     torch.manual_seed(0)
     model = case.factory()
     wrapper = fxflops.instrument(model, dims=case.dims, backward=True, on_miss="raise", strict=True)
 
-    @settings(max_examples=DRAWS_PER_MODEL, deadline=None, suppress_health_check=list(HealthCheck))
+    @settings(max_examples=draws, deadline=None, suppress_health_check=list(HealthCheck))
     @given(case.shapes)
     def check(shapes):
         inputs = case.make(shapes)

@@ -42,6 +42,8 @@ class Reads:
     values: set[int] = field(default_factory=set)  # ids of real tensors whose values the trace read (``int(self.reps)``)
     written: dict[int, set[str]] = field(default_factory=dict)  # attributes the traced code assigned, by module ``__dict__``
     functions: list[Any] = field(default_factory=list)  # the call's function arguments: the code the trace ran (their globals)
+    # lru caches whose function the trace ran on a miss, doing floating-point work: id -> (cache, whether the user's was empty)
+    memos: dict[int, tuple[Any, bool]] = field(default_factory=dict)
 
     def of_module(self, module: torch.nn.Module) -> set[str]:
         return self.modules.get(id(vars(module)), set())

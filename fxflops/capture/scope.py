@@ -134,6 +134,33 @@ def patched(owner: Any, name: str, replacement: Callable[..., Any]) -> Iterator[
         return
     static = isinstance(raw, staticmethod)
     original = getattr(owner, name) if not static else raw.__func__
+    dispatch = _dispatching(original, replacement, name)
+    setattr(owner, name, staticmethod(dispatch) if static else dispatch)
+    try:
+        yield original
+    finally:
+        if raw is None:
+            delattr(owner, name)
+        else:
+            setattr(owner, name, raw)
+
+
+@contextlib.contextmanager
+def patched_cell(cell: Any, replacement: Callable[..., Any]) -> Iterator[Callable[..., Any]]:
+    """The same for the function a closure cell holds (the cache a decorator's wrapper calls)."""
+    original = cell.cell_contents
+    if getattr(original, _MARK, None) is not None:
+        yield getattr(original, _MARK)
+        return
+    cell.cell_contents = _dispatching(original, replacement, "cell")
+    try:
+        yield original
+    finally:
+        cell.cell_contents = original
+
+
+def _dispatching(original: Callable[..., Any], replacement: Callable[..., Any], name: str) -> Callable[..., Any]:
+    """A function calling ``replacement`` in capturing threads and ``original`` in the others."""
 
     def dispatch(*args: Any, **kwargs: Any) -> Any:
         if capturing():
@@ -143,11 +170,4 @@ def patched(owner: Any, name: str, replacement: Callable[..., Any]) -> Iterator[
     setattr(dispatch, _MARK, original)
     dispatch.__name__ = getattr(original, "__name__", name)
     dispatch.__doc__ = getattr(original, "__doc__", None)
-    setattr(owner, name, staticmethod(dispatch) if static else dispatch)
-    try:
-        yield original
-    finally:
-        if raw is None:
-            delattr(owner, name)
-        else:
-            setattr(owner, name, raw)
+    return dispatch

@@ -38,12 +38,18 @@ libraries are not (they keep none of the model's tensors). The model's own modul
 :func:`undoing_side_effects` snapshots what was found before a trace and puts it back after it, by
 identity and in place (``capture/isolation.py``'s snapshots): the bindings of the globals the code
 names, closure cells, class attributes, plain objects' attributes, containers' contents.
-``functools.lru_cache`` functions bound as globals or class attributes cannot be put back (single
-entries cannot be removed): for the block, the capturing thread calls a cache of its own of the same
-function instead, one per fake tensor mode (a nested trace's fakes are its own), through
-``capture/scope.py``'s thread-scoped patches; another thread and every later call keep the user's
-cache, which never sees a fake. A cache the trace reached by another path and that missed (gained
-an entry) meanwhile is cleared afterwards.
+``functools.lru_cache`` functions bound as globals, class attributes or in a closure cell (the
+cache a decorator's wrapper calls, as transformers' ``compile_compatible_method_lru_cache``)
+cannot be put back (single entries cannot be removed): for the block, the capturing thread calls a
+cache of its own of the same function instead, one per fake tensor mode (a nested trace's fakes are
+its own), through ``capture/scope.py``'s thread-scoped patches; another thread and every later call
+keep the user's cache, which never sees a fake. A cache the trace reached by another path and that
+missed (gained an entry) meanwhile is cleared afterwards. An own cache starts empty, so the trace
+runs the function where the real call may find the entry and skip its work: when a miss does work
+a convention counts (the capture's ``floating_work`` test), the program holds only while the user's
+cache is as empty as the trace's (``Reads.memos``, guarded by ``situation.py``), and with entries in
+it the capture is refused in the calling module, whose own code is then measured on each real call
+(``fxflops/islands.py``): whether it computes is known only when it runs.
 
 Limits: a write through a path the code does not name (``getattr(obj, name)``, ``globals()[k]``, an
 object a call returns), and effects outside Python objects (files, printing, a registration in a C
@@ -69,15 +75,19 @@ from typing import Any
 
 import torch
 import torch.nn.modules.module as module_module
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from fxflops.capture.isolation import Restorer, attribute_values, restore_all, saved_bindings, saved_contents, saved_object
-from fxflops.capture.scope import patched
+from fxflops.capture.reads import Reads
+from fxflops.capture.scope import patched, patched_cell
+from fxflops.errors import CaptureError
 
 _CONTAINERS = (list, dict, set, collections.deque)
 _SEQUENCES = (tuple, frozenset)
 _ATOMS = (torch.Tensor, bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device, types.ModuleType)
 _CONSTRUCTORS = frozenset({"__init__", "__new__", "__init_subclass__", "__post_init__"})
 _LIBRARIES = frozenset({"torch", "fxflops", *sys.stdlib_module_names})
+WorkTest = Callable[[Any, tuple, dict, Any], bool]  # (func, args, kwargs, out) -> whether the op does counted work
 MAX_FOUND = 20_000  # objects followed per capture
 MAX_ITEMS = 1_000  # items of one container followed (all of them are restored)
 
@@ -129,6 +139,7 @@ class Reach:
     objects: list[Any] = field(default_factory=list)
     containers: list[Any] = field(default_factory=list)
     caches: dict[tuple[int, str], tuple[Any, str]] = field(default_factory=dict)  # (module or class, name) binding an lru cache
+    cached_cells: list[Any] = field(default_factory=list)  # closure cells holding an lru cache (a decorator's wrapper calls it)
     lru_caches: dict[int, Any] = field(default_factory=dict)  # every lru cache found
     generators: list[random.Random] = field(default_factory=list)  # Python random generators found (capture/randomness.py)
 
@@ -255,6 +266,8 @@ class _Walk:
         for cell in fn.__closure__ or ():
             self.reach.cells.append(cell)
             self.todo.append(_contents(cell))
+            if _is_lru_cache(_contents(cell)):
+                self.reach.cached_cells.append(cell)
         self.todo.extend((*(fn.__defaults__ or ()), *(fn.__kwdefaults__ or {}).values()))
         names = _names(fn.__code__)
         self.look_up(names)
@@ -319,8 +332,9 @@ def reach_of(model: torch.nn.Module) -> Reach:
     return _Walk(model).run(roots[::-1])
 
 
-def _per_fake_mode(cache: Any) -> Callable[..., Any]:
-    """A function calling, in each fake tensor mode, a fresh lru cache of ``cache``'s function."""
+def _per_fake_mode(cache: Any, reads: Reads, floating_work: WorkTest | None) -> Callable[..., Any]:
+    """A function calling, in each fake tensor mode, a fresh lru cache of ``cache``'s function; a
+    lookup that runs the function (a miss) and does floating-point work in it is :func:`_computed`."""
     parameters = cache.cache_parameters()
     own: dict[Any, Any] = {}
 
@@ -328,13 +342,52 @@ def _per_fake_mode(cache: Any) -> Callable[..., Any]:
         mode = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
         if mode not in own:
             own[mode] = functools.lru_cache(**parameters)(cache.__wrapped__)
-        return own[mode](*args, **kwargs)
+        misses = own[mode].cache_info().misses
+        with _FloatingWork(floating_work) as work:
+            out = own[mode](*args, **kwargs)
+        if work.found is not None and own[mode].cache_info().misses != misses:
+            _computed(cache, work.found, reads)
+        return out
 
     return call
 
 
+class _FloatingWork(TorchDispatchMode):
+    """Notes the first op of the block that does floating-point work (``found``; by the test the
+    capture was given, else any op)."""
+
+    def __init__(self, floating_work: WorkTest | None) -> None:
+        super().__init__()
+        self.found: Any = None
+        self.floating_work = floating_work
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self.found is None and (self.floating_work is None or self.floating_work(func, args, kwargs, out)):
+            self.found = func
+        return out
+
+
+def _computed(cache: Any, op: Any, reads: Reads) -> None:
+    """The trace ran ``cache``'s function on a miss of its own (empty) cache, and that work is
+    counted. The real call computes it only if the user's cache lacks the entry, which cannot be
+    asked without filling it: with the user's cache empty the trace is what the call does (the
+    program holds while it stays empty, ``reads.memos``); with entries in it, whether the call
+    computes is known only when it runs, so the calling module's own code is measured
+    (``fxflops/islands.py``), in that state."""
+    empty = cache.cache_info().currsize == 0
+    reads.memos[id(cache)] = (cache, empty)
+    if not empty:
+        name = getattr(cache, "__qualname__", repr(cache))
+        raise CaptureError(
+            f"{name} (a functools.lru_cache the model's code calls) does floating-point work ({op}) when it "
+            "misses, and its cache holds entries: whether this call computes it again is known only when it runs"
+        )
+
+
 @contextlib.contextmanager
-def _own_caches(reach: Reach) -> Iterator[None]:
+def _own_caches(reach: Reach, reads: Reads, floating_work: WorkTest | None) -> Iterator[None]:
     """For the block, the capturing thread calls caches of its own instead of the lru caches the
     model's code names; any of those that missed meanwhile is cleared afterwards."""
     misses = {key: cache.cache_info().misses for key, cache in reach.lru_caches.items()}
@@ -343,7 +396,10 @@ def _own_caches(reach: Reach) -> Iterator[None]:
             raw = vars(owner).get(name)
             cache = raw.__func__ if isinstance(raw, staticmethod) else raw
             if _is_lru_cache(cache):  # unless rebound since the reach was found
-                stack.enter_context(patched(owner, name, _per_fake_mode(cache)))
+                stack.enter_context(patched(owner, name, _per_fake_mode(cache, reads, floating_work)))
+        for cell in reach.cached_cells:
+            if _is_lru_cache(_contents(cell)):
+                stack.enter_context(patched_cell(cell, _per_fake_mode(_contents(cell), reads, floating_work)))
         yield
     for key, cache in reach.lru_caches.items():
         if cache.cache_info().misses != misses[key]:
@@ -351,13 +407,13 @@ def _own_caches(reach: Reach) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def undoing_side_effects(reach: Reach) -> Iterator[None]:
+def undoing_side_effects(reach: Reach, reads: Reads, floating_work: WorkTest | None = None) -> Iterator[None]:
     """For the block (one trace of the model whose :func:`reach_of` is ``reach``): what its code
     writes outside its modules is put back afterwards, and its lru caches are its own (see the
     module docstring)."""
     saved = reach.saved()
     try:
-        with _own_caches(reach):
+        with _own_caches(reach, reads, floating_work):
             yield
     finally:
         restore_all(saved)

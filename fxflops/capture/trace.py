@@ -42,7 +42,7 @@ from fxflops.capture.reads import Reads, argument_functions, recording_reads
 from fxflops.capture.reuse import LayerCalledTwice, Reuse, reusing_repeated_layers
 from fxflops.capture.scope import capture_scope
 from fxflops.capture.shape_env import BlamingShapeEnv
-from fxflops.capture.side_effects import Reach, reach_of, undoing_side_effects
+from fxflops.capture.side_effects import Reach, WorkTest, reach_of, undoing_side_effects
 from fxflops.capture.symbols import (
     Guard, check_free, guards_of, held_inputs, held_paths, in_public_symbols, named_symbol, named_symint, symbolic_inputs,
     symbolic_ints,
@@ -155,7 +155,7 @@ def _trace_once(
 
 def _trace(
     model: torch.nn.Module, call: tuple[tuple, dict], tensors: dict[Path, torch.Tensor], integers: dict[Path, int],
-    specs: list[DimSpec], size_one: list[DimSpec], positional: list[str], **options: Any,
+    specs: list[DimSpec], size_one: list[DimSpec], positional: list[str], floating_work: WorkTest | None, **options: Any,
 ) -> tuple[_Trace, list[DimSpec]]:
     """Trace, again without layer reuse when a layer runs twice (``capture/reuse.py``), and again
     with the ``size_one`` dims constant when the trace fails with them free (a ``(4, 1)`` bias must
@@ -171,7 +171,7 @@ def _trace(
         if reach is None:  # after the arguments were found traceable (an iterator is refused at once)
             reach = reach_of(model)
         try:
-            with preserving_state(model, uncopied), undoing_side_effects(reach):
+            with preserving_state(model, uncopied), undoing_side_effects(reach, options["reads"], floating_work):
                 return _trace_once(model, (own_args, own_kwargs), tensors, integers, specs, reusing, reach=reach, **options), specs
         except LayerCalledTwice:
             plans.append((specs, False))
@@ -195,6 +195,7 @@ def capture(
     backward: bool = False,
     adapter: Adapter | None = None,
     roots: tuple[int, ...] | None = None,
+    floating_work: WorkTest | None = None,
 ) -> Captured:
     """Trace ``model(*args, **kwargs)`` once with the ``dims`` as free symbols (see module doc).
 
@@ -207,7 +208,10 @@ def capture(
     ``adapter`` (``capture/adapters.py``; the call is already prepared by it) names the dims when
     ``dims`` is ``None`` (pins allowed, as for automatic names), adds its per-segment modules and
     holds its capture context. ``roots``: the output tensors (by position) the backward starts from,
-    when not the loss or every floating output (``capture/graph.py``).
+    when not the loss or every floating output (``capture/graph.py``). ``floating_work(func, args,
+    kwargs, out)``: whether an op does work some convention counts (the rules' own test, which this
+    stage does not import; None: every op), asked of the ops a memoizing function runs
+    (``capture/side_effects.py``).
     """
     kwargs = kwargs or {}
     adapter = adapter or Adapter()
@@ -237,6 +241,7 @@ def capture(
         with capture_scope(), _attaching(reads):
             return _trace(
                 model, (args, kwargs), tensors, held_ints(named) | {(name,): named[name] for name in symbolic}, specs, size_one, list(named)[: len(args)],
+                floating_work,
                 backward=backward, adapter=adapter, per_segment=per_segment, reads=reads, roots=roots,
                 shapes=compute_shapes(model),  # sharded parameters: what this rank computes with
                 derived={name: (size.source, size.value(tensors[size.source])) for name, size in derived.items()},
