@@ -210,7 +210,7 @@ class Held(nn.Module):
 
         self.fc = nn.Linear(8, 8)
         self.namespace = types.SimpleNamespace(n=1)  # a class defined in C
-        self.scale = functools.partial(torch.mul, other=1.0)
+        self.scale = functools.partial(_repeat_rows, times=1)  # its keyword decides the rows
         self.reps = torch.tensor(1)  # a plain tensor attribute whose value is a loop count
         self.deep = _Level(_Level(_Level(1)))  # config.sub.sub.n: three objects deep
 
@@ -218,6 +218,10 @@ class Held(nn.Module):
         for _ in range(self.namespace.n + int(self.reps) + self.deep.inner.inner.inner - 2):
             x = self.fc(self.scale(x))
         return x
+
+
+def _repeat_rows(x, times):
+    return x.repeat(times, 1)
 
 
 class _Level:
@@ -232,7 +236,7 @@ def test_held_objects_by_contents_and_tensors_read_by_value(backward):
     _check(wrapper, model, backward, "traced")
     changes = [
         ("a SimpleNamespace attribute", lambda: setattr(model.namespace, "n", 2)),
-        ("a partial's keywords in place", lambda: model.scale.keywords.update(other=2.0)),
+        ("a partial's keywords in place", lambda: model.scale.keywords.update(times=2)),
         ("a tensor's value in place", lambda: model.reps.fill_(2)),
         ("a tensor replaced", lambda: setattr(model, "reps", torch.tensor(1))),
         ("three objects deep", lambda: setattr(model.deep.inner.inner, "inner", 2)),
@@ -866,3 +870,4 @@ def test_hooks_the_first_real_call_installs_are_the_traced_structure(following_h
     model.fc.register_forward_hook(lambda m, i, o: o @ torch.ones(8, 8))
     _check(wrapper, model, False, "a user's hook after it: found at once")
     assert wrapper.captures == 2
+

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from torch._subclasses.fake_tensor import FakeTensor
+from torch.fx.experimental.proxy_tensor import _AttrProxy
 
 from fxflops.capture.scope import patched
 
@@ -156,6 +157,14 @@ def _is_held(value: Any) -> bool:
     )
 
 
+def _tracers_own(obj: Any, name: str) -> bool:
+    """Whether ``obj.name`` is make_fx's module-stack tracer reading its own proxy of a module (an
+    ``_AttrProxy``, which shares the module's ``__dict__``): ``get_base``, ``reset_proxy_mapping``
+    are the tracer's methods, not state of the model's (recorded, every module would carry two
+    guards of absent names, checked on every call)."""
+    return isinstance(obj, _AttrProxy) and any(name in vars(cls) for cls in type(obj).__mro__ if issubclass(cls, _AttrProxy))
+
+
 @contextlib.contextmanager
 def recording_reads(model: torch.nn.Module, reads: Reads, originals: dict[int, Any]) -> Iterator[None]:
     """Record attribute reads on ``model``'s modules and held objects for the block (a capture) into
@@ -174,7 +183,7 @@ def recording_reads(model: torch.nn.Module, reads: Reads, originals: dict[int, A
         original = stack.enter_context(patched(torch.nn.Module, "__getattribute__", lambda self, name: record(self, name)))
 
         def record(self: Any, name: str) -> Any:
-            if name[:2] != "__":
+            if name[:2] != "__" and not _tracers_own(self, name):
                 names = modules.get(id(object.__getattribute__(self, "__dict__")))
                 if names is not None:
                     names.add(name)
