@@ -165,7 +165,7 @@ def _followed(
         seen.add(id(fn))
         reads = list(_reads_of(fn))
         yield fn, reads
-        todo += [read.expected for _, read in reads if isinstance(read.expected, types.FunctionType)]
+        todo += [f for _, read in reads for f in _functions_in(read.expected)]
 
 
 def _hooks(model: torch.nn.Module) -> Iterator[types.FunctionType]:
@@ -200,14 +200,16 @@ def _called_methods(model: torch.nn.Module, called: dict[str, set[str]]) -> Iter
 
 def _functions_in(value: Any) -> Iterator[types.FunctionType]:
     """The plain functions a class attribute or a held callable runs: a method (bound too), a static
-    or class method, a property's getter, a ``functools.partial``'s function, and the functions a
-    decorator wraps (``__wrapped__``)."""
+    or class method, a property's getter, a ``functools.partial``'s function, an lru cache's, and
+    the functions a decorator wraps (``__wrapped__``)."""
     while isinstance(value, functools.partial):
         value = value.func
     if isinstance(value, (staticmethod, classmethod, types.MethodType)):
         value = value.__func__
     elif isinstance(value, property):
         value = value.fget
+    if isinstance(value, functools._lru_cache_wrapper):  # a cached helper: the function it caches
+        value = value.__wrapped__
     while isinstance(value, types.FunctionType):
         yield value
         value = getattr(value, "__wrapped__", None)
@@ -405,7 +407,7 @@ def _read(label: str, namespace: Any, key: str | None, value: Any) -> CodeRead |
         return CodeRead(label, namespace, key, copied(value), "==") if plain(value, MAX_COMPARED) else CodeRead(label, namespace, key, value, "is")
     if plain(value):
         return CodeRead(label, namespace, key, copied(value), "==")
-    if isinstance(value, types.FunctionType):
+    if isinstance(value, (types.FunctionType, functools._lru_cache_wrapper)):  # a helper patched in: another situation
         return CodeRead(label, namespace, key, value, "is")
     return None
 

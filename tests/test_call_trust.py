@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import sys
 
 import pytest
 import torch
@@ -652,6 +653,45 @@ def test_work_an_lru_cache_may_skip_is_counted_as_it_runs(backward, where):
     assert wrapper.captures == 1  # the program of the empty cache, used again after the clear
     assert set(wrapper.measured) == {"tail"} and "lru_cache" in wrapper.measured["tail"]  # the smallest measured set
     model.cache().cache_clear()
+
+
+class Swallowing(nn.Module):
+    """Model code that catches any error around a cached helper (and then computes without it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        try:
+            gram = _gram_of_ones(8)
+        except Exception:  # noqa: BLE001 - the model's own broad except, as some code has
+            gram = torch.eye(8)
+        return self.fc(x) @ gram
+
+
+def test_an_lru_refusal_the_models_code_catches_still_refuses():
+    model = Swallowing()
+    _gram_of_ones.cache_clear()
+    wrapper = fxflops.instrument(model)
+    for n in [3, 5, 6]:  # empty (the trace is the call), then filled: measured, a hit costs nothing
+        expected = _measured_call(wrapper, torch.randn(n, 8), False)
+        assert wrapper.flops.total() == expected, f"batch {n}"
+    assert set(wrapper.measured) == {""}
+    _gram_of_ones.cache_clear()
+
+
+def test_a_cached_helper_replaced_is_another_situation(monkeypatch):
+    """A global bound to an lru cache is compared by identity (a helper patched in, as fused
+    kernels are), and the function it caches is followed: its globals guard the program too."""
+    model = LruMemoizing("global")
+    _gram_of_ones.cache_clear()
+    wrapper = fxflops.instrument(model)
+    assert _measured_call(wrapper, torch.randn(3, 8), False) == wrapper.flops.total()
+    monkeypatch.setattr(sys.modules[__name__], "_gram_of_ones", functools.lru_cache(lambda n: torch.eye(n)))
+    assert _measured_call(wrapper, torch.randn(3, 8), False) == wrapper.flops.total(), "the helper replaced"
+    reads = {read.label.split(" ")[0] for program in wrapper.programs for read in program.state.code}
+    assert any(label.endswith("._gram_of_ones") for label in reads)
 
 
 SLOT = {"at": 0}  # a setting read only to address a write: still a setting

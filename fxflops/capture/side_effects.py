@@ -401,6 +401,11 @@ def _own_caches(reach: Reach, reads: Reads, floating_work: WorkTest | None) -> I
             if _is_lru_cache(_contents(cell)):
                 stack.enter_context(patched_cell(cell, _per_fake_mode(_contents(cell), reads, floating_work)))
         yield
+        if any(not empty for _, empty in reads.memos.values()):  # the refusal was caught by the model's own code
+            raise CaptureError(
+                "a functools.lru_cache the model's code calls does floating-point work when it misses and its cache "
+                "holds entries (the refusal raised there was caught by the model's code): measured", module="",
+            )
     for key, cache in reach.lru_caches.items():
         if cache.cache_info().misses != misses[key]:
             cache.cache_clear()
