@@ -253,6 +253,7 @@ def note_reparametrization(depth: int = 16) -> None:
         STRUCTURE.bump()
     _REPARAMETRIZED.inside = inside
 
+
 _MODULE_INTERNALS = frozenset(vars(torch.nn.Module())) - {"training"}
 @dataclass(frozen=True)
 class StateGuard:
