@@ -17,23 +17,26 @@ dict or set of plain values is compared by value too (a setting changed in place
 = 2``, is another situation). How the code uses a container decides the rest (:func:`_uses`, from
 the bytecode): one it only fills in place (``LOG.append(...)``, ``SEEN.add(...)``, ``STATS[k] =
 v``) is a log or a registry, compared by identity, or every new entry would be another situation;
-one it fills and also reads (``if key not in CACHE: CACHE[key] = w @ w.T``) is a memo, compared
-by its entries (:class:`Entries`): whether an entry is there decides whether its work runs, so the
+one it fills and also reads (``if key not in CACHE: CACHE[key] = w @ w.T``) is a memo, compared by
+its entries (:class:`Entries`): whether an entry is there decides whether its work runs, so the
 first call (which computes) and the later ones (which find it) are two situations; any other
-container holding more than plain values, or more than :data:`MAX_COMPARED` of them, by its
-number of entries (code that fills it through an alias or a library helper is still seen). Names the
-code itself assigns (``global calls; calls += 1``, ``nonlocal``) are compared by type only
+container holding more than plain values, or more than :data:`MAX_COMPARED` of them, by its number
+of entries (code that fills it through an alias or a library helper is still seen). A mapping
+object that is not a dict (a registry such as transformers' ``ALL_ATTENTION_FUNCTIONS``) is
+compared by the dicts of functions and plain values it keeps (:class:`RegistryContents`). Names
+the code itself assigns (``global calls; calls += 1``, ``nonlocal``) are compared by type only
 (:class:`OfType`; ``None`` and flags by value): a counter is its bookkeeping, not a situation (as a
 recompile per call would be under Dynamo), while a lazily made value (``if _TABLE is None: _TABLE =
-...``) is another situation once made. The
-same bytecode tells which attributes the code only fills in place and never reads otherwise (a log,
-``self.records.append(...)``): ``situation.py`` compares those by identity.
+...``) is another situation once made. The same bytecode tells which attributes the code only
+fills in place and never reads otherwise (a log, ``self.records.append(...)``): ``situation.py``
+compares those by identity.
 (Attributes of the model's modules and of the objects they hold, class attributes among them, are
 ``fxflops/situation.py``'s; the call's arguments ``fxflops/call_keys.py``'s.)
 """
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import dis
 import functools
@@ -409,7 +412,40 @@ def _read(label: str, namespace: Any, key: str | None, value: Any) -> CodeRead |
         return CodeRead(label, namespace, key, copied(value), "==")
     if isinstance(value, (types.FunctionType, functools._lru_cache_wrapper)):  # a helper patched in: another situation
         return CodeRead(label, namespace, key, value, "is")
+    if isinstance(value, collections.abc.Mapping):  # a registry object, not a dict: the dicts it keeps
+        return CodeRead(label, namespace, key, RegistryContents(value), "==")
     return None
+
+
+_BY_IDENTITY = (types.FunctionType, types.BuiltinFunctionType, type, functools.partial, functools._lru_cache_wrapper)
+
+
+class RegistryContents:
+    """The expected value of a mapping that is not a dict, such as transformers'
+    ``ALL_ATTENTION_FUNCTIONS`` (which keeps its entries in a class-level and an instance dict): the
+    same object, each dict of functions or plain values it or its classes keep equal to a copy
+    (functions by identity: an attention function registered over ``"sdpa"`` after the first call
+    is another situation)."""
+
+    __slots__ = ("registry", "dicts", "copies")
+
+    def __init__(self, registry: Any) -> None:
+        namespaces = [*([vars(registry)] if hasattr(registry, "__dict__") else []), *(vars(c) for c in type(registry).__mro__)]
+        self.registry = registry
+        self.dicts = tuple(
+            d for namespace in namespaces for name, d in namespace.items()
+            if not name.startswith("__") and type(d) is dict and len(d) <= MAX_COMPARED
+            and all(isinstance(v, _BY_IDENTITY) or plain(v) for v in d.values())
+        )
+        self.copies = tuple(dict(d) for d in self.dicts)
+
+    def __eq__(self, other: object) -> bool:
+        return other is self.registry and all(d == c for d, c in zip(self.dicts, self.copies))
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"{type(self.registry).__name__} with {sum(map(len, self.dicts))} entries"
 
 
 _PLAIN_CONTAINERS = (tuple, list, dict, set, frozenset)

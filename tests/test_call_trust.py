@@ -694,6 +694,34 @@ def test_a_cached_helper_replaced_is_another_situation(monkeypatch):
     assert any(label.endswith("._gram_of_ones") for label in reads)
 
 
+def test_an_attention_function_registered_over_the_one_traced_is_another_situation(monkeypatch):
+    """transformers picks the attention function from ``ALL_ATTENTION_FUNCTIONS``, a registry object
+    (not a dict) keeping its entries in dicts: one registered over ``"sdpa"`` after the first call
+    (a patch, a fused kernel) computes something else, so it gets its own program."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, attn_implementation="sdpa",
+    )
+    model = transformers.LlamaForCausalLM(config).eval()
+    wrapper = fxflops.instrument(model)
+    ids = torch.randint(0, 128, (2, 9))
+    with torch.no_grad():
+        assert_counted_call(wrapper, model, (), False, "traced", {"input_ids": ids})
+
+    def rotated_first(module, query, key, value, attention_mask, **kwargs):  # one more matmul per call
+        return sdpa_attention_forward(module, query @ torch.eye(query.shape[-1]), key, value, attention_mask, **kwargs)
+
+    monkeypatch.setitem(ALL_ATTENTION_FUNCTIONS, "sdpa", rotated_first)
+    with torch.no_grad():
+        assert_counted_call(wrapper, model, (), False, "another sdpa registered", {"input_ids": ids})
+    assert wrapper.captures == 2
+
+
 SLOT = {"at": 0}  # a setting read only to address a write: still a setting
 
 
