@@ -650,3 +650,34 @@ def test_a_forward_replaced_on_the_instance_runs_on_the_twin(style):
     assert len(traced) == 2 and not any(m is model.fc1 or m is model.fc2 for m in traced)
     assert {name: getattr(model, name).forward for name in ("fc1", "fc2")} == kept
     assert all(torch.equal(p, weights[name]) for name, p in model.named_parameters())
+
+
+class _TableAttribute(nn.Module):
+    """An lru cache held as a module attribute (not rebound for the capture), then a line that reads
+    tensor values: the capture fails after the trace filled the cache."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.table = functools.lru_cache(maxsize=None)(lambda n: torch.ones(n, 8))
+
+    def forward(self, x):
+        h = self.fc(x) + self.table(8)[: x.shape[0]].sum()
+        if h.sum() > 1e9:  # data-dependent: the symbolic capture fails here
+            h = h * 2
+        return h
+
+
+def test_a_failed_trace_leaves_no_fake_in_an_lru_cache():
+    """The failed trace's cache entry is cleared too (was: kept, and the measured real call that
+    followed got the fake from the cache and raised into the user's step)."""
+    model = _TableAttribute()
+    wrapper = fxflops.instrument(model)
+    x = torch.randn(3, 8)
+    with torch.no_grad():
+        out = wrapper(x)
+        assert not isinstance(model.table(8), FakeTensor)
+        assert torch.equal(out, model(x))
+        wrapper.flops.reset()
+        wrapper(x)
+    assert wrapper.flops.total() == flop_counter_call(model, (x,), {}, backward=False)

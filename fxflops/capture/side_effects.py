@@ -389,26 +389,29 @@ def _computed(cache: Any, op: Any, reads: Reads) -> None:
 @contextlib.contextmanager
 def _own_caches(reach: Reach, reads: Reads, floating_work: WorkTest | None) -> Iterator[None]:
     """For the block, the capturing thread calls caches of its own instead of the lru caches the
-    model's code names; any of those that missed meanwhile is cleared afterwards."""
+    model's code names; any of those that missed meanwhile is cleared afterwards, also after a
+    failed trace (what it left there is a fake)."""
     misses = {key: cache.cache_info().misses for key, cache in reach.lru_caches.items()}
-    with contextlib.ExitStack() as stack:
-        for owner, name in reach.caches.values():
-            raw = vars(owner).get(name)
-            cache = raw.__func__ if isinstance(raw, staticmethod) else raw
-            if _is_lru_cache(cache):  # unless rebound since the reach was found
-                stack.enter_context(patched(owner, name, _per_fake_mode(cache, reads, floating_work)))
-        for cell in reach.cached_cells:
-            if _is_lru_cache(_contents(cell)):
-                stack.enter_context(patched_cell(cell, _per_fake_mode(_contents(cell), reads, floating_work)))
-        yield
-        if any(not empty for _, empty in reads.memos.values()):  # the refusal was caught by the model's own code
-            raise CaptureError(
-                "a functools.lru_cache the model's code calls does floating-point work when it misses and its cache "
-                "holds entries (the refusal raised there was caught by the model's code): measured", module="",
-            )
-    for key, cache in reach.lru_caches.items():
-        if cache.cache_info().misses != misses[key]:
-            cache.cache_clear()
+    try:
+        with contextlib.ExitStack() as stack:
+            for owner, name in reach.caches.values():
+                raw = vars(owner).get(name)
+                cache = raw.__func__ if isinstance(raw, staticmethod) else raw
+                if _is_lru_cache(cache):  # unless rebound since the reach was found
+                    stack.enter_context(patched(owner, name, _per_fake_mode(cache, reads, floating_work)))
+            for cell in reach.cached_cells:
+                if _is_lru_cache(_contents(cell)):
+                    stack.enter_context(patched_cell(cell, _per_fake_mode(_contents(cell), reads, floating_work)))
+            yield
+            if any(not empty for _, empty in reads.memos.values()):  # the refusal was caught by the model's own code
+                raise CaptureError(
+                    "a functools.lru_cache the model's code calls does floating-point work when it misses and its cache "
+                    "holds entries (the refusal raised there was caught by the model's code): measured", module="",
+                )
+    finally:
+        for key, cache in reach.lru_caches.items():
+            if cache.cache_info().misses != misses[key]:
+                cache.cache_clear()
 
 
 @contextlib.contextmanager
