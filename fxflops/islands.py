@@ -62,8 +62,8 @@ from fxflops.program import Program
 from fxflops.routing import dispatched_flops
 from fxflops.rules import entry_for, overlaid, registry_version
 from fxflops.rules.not_counted import touches_floats
-from fxflops.rules.work import work_without_rule
 from fxflops.rules.registry import shape_of
+from fxflops.rules.work import work_without_rule
 
 if TYPE_CHECKING:
     from fxflops.instrument import Instrumented

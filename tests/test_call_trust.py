@@ -98,14 +98,20 @@ def test_a_forward_patched_on_the_class_gets_its_own_program():
     _check(wrapper, model, False, "restored")
 
 
-def test_hf_layer_checkpointing_class_default_and_loss_function():
-    transformers = pytest.importorskip("transformers")
+def _tiny_llama(layers: int, attn: str) -> torch.nn.Module:
+    """A Hugging Face Llama of ``layers`` layers and ``attn`` attention, random weights (seed 0)."""
+    import transformers  # a test dependency (``.[test]``): a missing one fails, never skips
+
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
-        vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, attn_implementation="eager",
+        vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, attn_implementation=attn,
     )
-    model = transformers.LlamaForCausalLM(config).train()
+    return transformers.LlamaForCausalLM(config)
+
+
+def test_hf_layer_checkpointing_class_default_and_loss_function():
+    model = _tiny_llama(3, "eager").train()
     wrapper = fxflops.instrument(model, backward=True)
 
     def check(label):
@@ -698,16 +704,10 @@ def test_an_attention_function_registered_over_the_one_traced_is_another_situati
     """transformers picks the attention function from ``ALL_ATTENTION_FUNCTIONS``, a registry object
     (not a dict) keeping its entries in dicts: one registered over ``"sdpa"`` after the first call
     (a patch, a fused kernel) computes something else, so it gets its own program."""
-    transformers = pytest.importorskip("transformers")
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(
-        vocab_size=128, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
-        num_key_value_heads=2, attn_implementation="sdpa",
-    )
-    model = transformers.LlamaForCausalLM(config).eval()
+    model = _tiny_llama(1, "sdpa").eval()
     wrapper = fxflops.instrument(model)
     ids = torch.randint(0, 128, (2, 9))
     with torch.no_grad():
