@@ -29,7 +29,14 @@ the code itself assigns (``global calls; calls += 1``, ``nonlocal``) are compare
 recompile per call would be under Dynamo), while a lazily made value (``if _TABLE is None: _TABLE =
 ...``) is another situation once made. The same bytecode tells which attributes the code only
 fills in place and never reads otherwise (a log, ``self.records.append(...)``): ``situation.py``
-compares those by identity.
+compares those by identity. Attributes the code reads on a module or a class it names as a global
+(``settings.EXTRA``, ``pkg.layers.attention(...)``, ``os.environ.get("X")``, ``Flags.FUSED``) are
+reads of that module's or class's namespace, and so are the attributes it reads on an object's class
+(``type(self).WIDE``, ``self.__class__.WIDE``) that the model's module classes define: Dynamo
+guards these as it guards a global, and no attribute access on the modules records them. An
+attribute the code assigns on a module (``settings.calls += 1``) is compared by type, as an
+assigned global is. Not followed: torch's and fxflops' modules, enumerations, and the standard
+library but for ``os`` and ``sys`` (whose functions are not walked either).
 (Attributes of the model's modules and of the objects they hold, class attributes among them, are
 ``fxflops/situation.py``'s; the call's arguments ``fxflops/call_keys.py``'s.)
 """
@@ -39,9 +46,11 @@ from __future__ import annotations
 import collections.abc
 import dataclasses
 import dis
+import enum
 import functools
 import sys
 import types
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -95,19 +104,66 @@ def code_reads(model: torch.nn.Module, called: dict[str, set[str]], functions: l
     used: set[tuple[int, str | None]] = set()  # containers some function reads, tests or passes on
     attributes_changed: set[str] = set()
     attributes_used: set[str] = set()
+    attributes_set: set[str] = set()  # attributes some function assigns (``cfg.calls += 1``)
+    module_attributes: set[tuple[int, str | None]] = set()  # reads of a module's attribute (``cfg.FLAG``)
+    class_attributes: set[str] = set()  # attributes read on a class (``type(module).FUSED``)
     for fn, reads in _followed(model, called, functions):
         uses = _uses(fn.__code__)
         attributes_changed |= uses.attributes_changed
         attributes_used |= uses.attributes_used
+        attributes_set |= _attributes_set(fn.__code__)
         for name, read in reads:
             where = (id(read.namespace), read.key)
             found.setdefault(where, read)
-            if name in uses.names_changed:
+            if name.startswith("."):  # used as attributes are: ``cfg.CACHE[k] = v``, ``k in cfg.CACHE``
+                module_attributes.add(where)
+                name_changed, name_used = name[1:] in uses.attributes_changed, name[1:] in uses.attributes_used
+            else:
+                name_changed, name_used = name in uses.names_changed, name in uses.names_used
+            if name_changed:
                 changed.add(where)
-            if name in uses.names_used:
+            if name_used:
                 used.add(where)
+        class_attributes |= _class_attributes_read(fn.__code__)
+    found.update(_class_reads(model, class_attributes, found))
+    for where in module_attributes:  # one the code assigns is its bookkeeping, as an assigned global
+        if where[1] in attributes_set:
+            read = found[where]
+            found[where] = _assigned(read.label, read.namespace, read.key, read.now())
     code = [_container_read(read, where in changed, where in used) for where, read in found.items()]
     return code, attributes_changed - attributes_used
+
+
+def _class_reads(model: torch.nn.Module, names: set[str], found: dict) -> dict[tuple[int, str], CodeRead]:
+    """Reads of ``names`` on the classes of the model's modules that define them (model code's
+    classes), for code that reads them on a class (``type(module).FUSED``)."""
+    reads = {}
+    for cls in {type(m) for _, m in named_modules(model)} if names else ():
+        for name in names:
+            owner = next((c for c in cls.__mro__ if name in vars(c)), None)
+            if owner is None or _library_module(owner.__module__ or "") or (id(_class_namespace(owner)), name) in found:
+                continue
+            namespace = _class_namespace(owner)
+            if callable(namespace[name]) or isinstance(namespace[name], (staticmethod, classmethod, property)):
+                continue  # a method: replaced on the class, the attribute reads on the modules see it
+            read = _read(f"{owner.__qualname__}.{name} (a class attribute the code reads on the class)", namespace, name, namespace[name])
+            if read is not None:
+                reads[(id(read.namespace), name)] = read
+    return reads
+
+
+_CLASS_NAMESPACES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _class_namespace(cls: type) -> types.MappingProxyType:
+    """A class's namespace, one object per class (``vars(cls)`` makes a new proxy each time), so its
+    reads are found once and checked together."""
+    try:
+        return _CLASS_NAMESPACES[cls]
+    except KeyError:
+        return _CLASS_NAMESPACES.setdefault(cls, vars(cls))
+    except TypeError:  # a class that takes no weak reference
+        return vars(cls)
 
 
 def _container_read(read: CodeRead, changed: bool, used: bool) -> CodeRead:
@@ -228,7 +284,13 @@ def importable(fn: Any) -> bool:
 
 def _is_library(fn: types.FunctionType) -> bool:
     module = getattr(fn, "__module__", None) or ""
-    return module.startswith(_LIBRARIES) or module == __name__
+    return module.startswith(_LIBRARIES) or module == __name__ or _library_module(module)
+
+
+def _library_module(name: str) -> bool:
+    """torch's, fxflops' and the standard library's modules: their functions are not walked."""
+    top = name.partition(".")[0]
+    return top in ("torch", "fxflops") or top in sys.stdlib_module_names
 
 
 def _codes(code: types.CodeType) -> Iterator[types.CodeType]:
@@ -247,6 +309,33 @@ def _written(code: types.CodeType) -> frozenset[str]:
     """The globals and closure variables the code assigns (``global n; n += 1``, ``nonlocal``): the
     code's own bookkeeping (a call counter), which would otherwise make every call another situation."""
     return frozenset(i.argval for c in _codes(code) for i in dis.get_instructions(c) if i.opname in _WRITES)
+
+
+@functools.lru_cache(maxsize=8192)
+def _attributes_set(code: types.CodeType) -> frozenset[str]:
+    """The attribute names the code assigns or deletes (``cfg.calls += 1``, ``self.x = v``)."""
+    return frozenset(i.argval for c in _codes(code) for i in dis.get_instructions(c) if i.opname in ("STORE_ATTR", "DELETE_ATTR"))
+
+
+@functools.lru_cache(maxsize=8192)
+def _class_attributes_read(code: types.CodeType) -> frozenset[str]:
+    """The attribute names the code reads on an object's class (``type(module).FUSED``,
+    ``self.__class__.FUSED``): reads no attribute access on the object records."""
+    names = set()
+    for c in _codes(code):
+        instructions = list(dis.get_instructions(c))
+        for at, instruction in enumerate(instructions):
+            if instruction.opname not in ("LOAD_ATTR", "LOAD_METHOD") or not at:
+                continue
+            before = instructions[at - 1]
+            if before.opname == "LOAD_ATTR" and before.argval == "__class__":
+                names.add(instruction.argval)
+            elif before.opname == "CALL" and before.arg == 1:
+                call = at - 2 if instructions[at - 2].opname == "PRECALL" else at - 1
+                function = _container_of(instructions, call, 1)
+                if function is not None and function.opname == "LOAD_GLOBAL" and function.argval == "type":
+                    names.add(instruction.argval)
+    return frozenset(names)
 
 
 _LOADS = frozenset({"LOAD_GLOBAL", "LOAD_NAME", "LOAD_DEREF", "LOAD_CLASSDEREF"})
@@ -359,6 +448,7 @@ def _reads_of(fn: types.FunctionType) -> Iterator[tuple[str, CodeRead]]:
             read = (_assigned if name in written else _read)(label, namespace, name, namespace[name])
             if read is not None:
                 yield name, read
+    yield from _attribute_reads(fn)
     if hasattr(fn, "__wrapped__"):  # a decorator's wrapper: its cells hold the decorator's settings
         return
     for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ()):
@@ -370,6 +460,54 @@ def _reads_of(fn: types.FunctionType) -> Iterator[tuple[str, CodeRead]]:
         read = (_assigned if name in written else _read)(label, cell, None, value)
         if read is not None:
             yield name, read
+
+
+def _attribute_reads(fn: types.FunctionType) -> Iterator[tuple[str, CodeRead]]:
+    """The attributes ``fn``'s code reads on a module or a class it names as a global
+    (``cfg.USE_EXTRA``, ``layers.attention(...)``, ``pkg.sub.FLAG``, ``os.environ.get(...)``,
+    ``Block.FUSED``, ``Rotary.apply(...)``), as reads of the namespace that holds the value, named
+    ``.attribute`` (the code uses it as an attribute, see :func:`_uses`). Not torch's or fxflops'
+    modules and classes; of the standard library, only the values of :data:`_STATE_MODULES`."""
+    namespace = fn.__globals__
+    for code in _codes(fn.__code__):
+        instructions = list(dis.get_instructions(code))
+        for at, instruction in enumerate(instructions):
+            if instruction.opname != "LOAD_GLOBAL" or not isinstance(namespace.get(instruction.argval), (types.ModuleType, type)):
+                continue
+            owner, path = namespace[instruction.argval], instruction.argval
+            for attribute in instructions[at + 1 :]:
+                if attribute.opname not in ("LOAD_ATTR", "LOAD_METHOD") or not _followed_owner(owner):
+                    break
+                name, path = attribute.argval, f"{path}.{attribute.argval}"
+                holder = vars(owner) if isinstance(owner, types.ModuleType) else next((_class_namespace(c) for c in owner.__mro__ if name in vars(c)), {})
+                value = holder.get(name)
+                if isinstance(value, types.ModuleType):
+                    owner = value
+                    continue
+                label = f"{path} (an attribute {fn.__qualname__} reads)"
+                if isinstance(value, (staticmethod, classmethod)):  # ``Rotary.apply(x)``: its function, walked
+                    yield "." + name, CodeRead(label, holder, name, value, "is")
+                elif name in holder and not (_library_module(_module_name(owner)) and callable(value)):
+                    read = _read(label, holder, name, value)
+                    if read is not None:
+                        yield "." + name, read
+                break
+
+
+def _followed_owner(owner: Any) -> bool:
+    """Whether the attributes read on a global module or class are followed: model code's (not an
+    enumeration's members, which are constants), and the standard library's :data:`_STATE_MODULES`."""
+    if isinstance(owner, enum.EnumMeta):
+        return False
+    name = _module_name(owner)
+    return not _library_module(name) or name in _STATE_MODULES
+
+
+def _module_name(owner: types.ModuleType | type) -> str:
+    return (owner.__name__ if isinstance(owner, types.ModuleType) else owner.__module__) or ""
+
+
+_STATE_MODULES = frozenset({"os", "sys"})  # standard library modules whose values model code may branch on
 
 
 _MUTABLE = (list, dict, set)

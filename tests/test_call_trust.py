@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import copy
 import functools
+import os
 import sys
+import types
 
 import pytest
 import torch
@@ -213,8 +215,6 @@ class Held(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        import types
-
         self.fc = nn.Linear(8, 8)
         self.namespace = types.SimpleNamespace(n=1)  # a class defined in C
         self.scale = functools.partial(_repeat_rows, times=1)  # its keyword decides the rows
@@ -251,6 +251,86 @@ def test_held_objects_by_contents_and_tensors_read_by_value(backward):
     for label, change in changes:
         change()
         _check(wrapper, model, backward, label)
+
+
+# A settings module and a package of layers, as a code base imports them (``import settings``;
+# ``settings.EXTRA``): the model reads their attributes, not names of its own module.
+settings = types.ModuleType("fxflops_test_settings")
+settings.EXTRA, settings.calls = False, 0
+settings.layers = types.ModuleType("fxflops_test_settings.layers")
+HELPER_REPEATS = 1  # a global of a helper the model reaches only through a module attribute
+
+
+def _helper_through_a_module(h, fc):
+    for _ in range(HELPER_REPEATS):
+        h = fc(h)
+    return h
+
+
+settings.layers.extra = _helper_through_a_module
+
+
+class Flags:
+    FUSED = False  # a class-level switch the model reads on the class
+
+
+class Rotary:
+    @staticmethod
+    def apply(h, fc):  # reached through the class: its code is walked too
+        return fc(h) if Flags.FUSED else h
+
+
+class ThroughModulesAndClasses(nn.Module):
+    WIDE = False  # read on the module's class, which no attribute access on the module records
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        settings.calls += 1  # the code's own bookkeeping on a module: not a situation
+        h = self.fc(x)
+        if settings.EXTRA:
+            h = self.fc(h)
+        if os.environ.get("FXFLOPS_TEST_EXTRA") == "1":
+            h = self.fc(h)
+        if type(self).WIDE:
+            h = self.fc(h)
+        return settings.layers.extra(Rotary.apply(h, self.fc), self.fc)
+
+
+@pytest.mark.parametrize("backward", [False, True])
+def test_settings_read_through_a_module_or_a_class_guard_their_programs(backward, monkeypatch):
+    global HELPER_REPEATS
+    model = ThroughModulesAndClasses()
+    wrapper = fxflops.instrument(model, backward=backward)
+    monkeypatch.delenv("FXFLOPS_TEST_EXTRA", raising=False)
+    try:
+        _check(wrapper, model, backward, "traced")
+        captures = wrapper.captures
+        _check(wrapper, model, backward, "again: the module's counter changed, no new program")
+        assert wrapper.captures == captures
+        changes = [
+            ("a module attribute", lambda: setattr(settings, "EXTRA", True)),
+            ("an environment variable", lambda: monkeypatch.setenv("FXFLOPS_TEST_EXTRA", "1")),
+            ("a class attribute read on a global class", lambda: setattr(Flags, "FUSED", True)),
+            ("a class attribute read on type(self)", lambda: setattr(ThroughModulesAndClasses, "WIDE", True)),
+            ("a global of a helper reached through a module", lambda: globals().update(HELPER_REPEATS=3)),
+            ("a helper replaced in a nested module", lambda: setattr(settings.layers, "extra", lambda h, fc: h)),
+        ]
+        for label, change in changes:
+            change()
+            _check(wrapper, model, backward, label)
+        for label, change in [
+            ("all back", lambda: None),
+            ("module attribute back", lambda: setattr(settings, "EXTRA", False)),
+            ("environment back", lambda: monkeypatch.delenv("FXFLOPS_TEST_EXTRA")),
+        ]:
+            change()
+            _check(wrapper, model, backward, label)
+    finally:
+        settings.EXTRA, Flags.FUSED, ThroughModulesAndClasses.WIDE, HELPER_REPEATS = False, False, False, 1
+        settings.layers.extra = _helper_through_a_module
 
 
 class Takes(nn.Module):
