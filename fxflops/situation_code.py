@@ -29,20 +29,27 @@ the code itself assigns (``global calls; calls += 1``, ``nonlocal``) are compare
 recompile per call would be under Dynamo), while a lazily made value (``if _TABLE is None: _TABLE =
 ...``) is another situation once made. The same bytecode tells which attributes the code only
 fills in place and never reads otherwise (a log, ``self.records.append(...)``): ``situation.py``
-compares those by identity. Attributes the code reads on a module or a class it names as a global
-(``settings.EXTRA``, ``pkg.layers.attention(...)``, ``os.environ.get("X")``, ``Flags.FUSED``) are
-reads of that module's or class's namespace, and so are the attributes it reads on an object's class
+compares those by identity. Attributes the code reads on a module, a class or a plain object it
+names as a global, a closure variable or a parameter's default (``settings.EXTRA``,
+``pkg.layers.attention(...)``, ``os.environ.get("X")``, ``Flags.FUSED``, ``ARGS.deep.n``,
+``BLOCKS["vit"].extra``; through a local assigned once, ``args = get_args(); args.flag``, where
+``get_args`` returns a global) are reads of the namespace holding each value on the way (the objects and
+modules passed by identity), and so are the attributes it reads on an object's class
 (``type(self).WIDE``, ``self.__class__.WIDE``) that the model's module classes define: Dynamo
 guards these as it guards a global, and no attribute access on the modules records them. An
 attribute the code assigns on a module (``settings.calls += 1``) is compared by type, as an
 assigned global is. Not followed: torch's and fxflops' modules, enumerations, and the standard
-library but for ``os`` and ``sys`` (whose functions are not walked either).
+library but for ``os`` and ``sys`` (whose functions are not walked either) and plain namespaces
+(``types.SimpleNamespace``, ``argparse.Namespace``). A tensor the code reads from outside the model
+(``x @ TABLE``) is compared by identity and shape (:class:`SameTensor`). Not seen: an object reached
+through a call's result other than a getter's, or through a computed key.
 (Attributes of the model's modules and of the objects they hold, class attributes among them, are
 ``fxflops/situation.py``'s; the call's arguments ``fxflops/call_keys.py``'s.)
 """
 
 from __future__ import annotations
 
+import collections
 import collections.abc
 import dataclasses
 import dis
@@ -463,48 +470,192 @@ def _reads_of(fn: types.FunctionType) -> Iterator[tuple[str, CodeRead]]:
 
 
 def _attribute_reads(fn: types.FunctionType) -> Iterator[tuple[str, CodeRead]]:
-    """The attributes ``fn``'s code reads on a module or a class it names as a global
+    """The attributes ``fn``'s code reads on a module, a class or a plain object it names as a
+    global, a closure variable or a parameter's default, directly or through a local it assigns once
     (``cfg.USE_EXTRA``, ``layers.attention(...)``, ``pkg.sub.FLAG``, ``os.environ.get(...)``,
-    ``Block.FUSED``, ``Rotary.apply(...)``), as reads of the namespace that holds the value, named
+    ``Block.FUSED``, ``Rotary.apply(...)``, ``CFG.deep.n``, ``opts.extra`` with ``opts=DEFAULTS``,
+    ``args = get_args(); args.flag`` where ``get_args`` returns a global), as reads of the namespace
+    that holds each value along the chain (the objects and modules on the way by identity), named
     ``.attribute`` (the code uses it as an attribute, see :func:`_uses`). Not torch's or fxflops'
-    modules and classes; of the standard library, only the values of :data:`_STATE_MODULES`."""
-    namespace = fn.__globals__
+    modules, classes and objects; of the standard library, only the values of
+    :data:`_STATE_MODULES` and plain namespaces."""
     for code in _codes(fn.__code__):
         instructions = list(dis.get_instructions(code))
+        assigned = _assigned_once(fn, code, instructions)
         for at, instruction in enumerate(instructions):
-            if instruction.opname != "LOAD_GLOBAL" or not isinstance(namespace.get(instruction.argval), (types.ModuleType, type)):
+            found = _root(fn, code, instructions, at, assigned)
+            if found is None:
                 continue
-            owner, path = namespace[instruction.argval], instruction.argval
-            for attribute in instructions[at + 1 :]:
-                if attribute.opname not in ("LOAD_ATTR", "LOAD_METHOD") or not _followed_owner(owner):
-                    break
-                name, path = attribute.argval, f"{path}.{attribute.argval}"
-                holder = vars(owner) if isinstance(owner, types.ModuleType) else next((_class_namespace(c) for c in owner.__mro__ if name in vars(c)), {})
-                value = holder.get(name)
-                if isinstance(value, types.ModuleType):
-                    owner = value
-                    continue
-                label = f"{path} (an attribute {fn.__qualname__} reads)"
-                if isinstance(value, (staticmethod, classmethod)):  # ``Rotary.apply(x)``: its function, walked
-                    yield "." + name, CodeRead(label, holder, name, value, "is")
-                elif name in holder and not (_library_module(_module_name(owner)) and callable(value)):
-                    read = _read(label, holder, name, value)
-                    if read is not None:
-                        yield "." + name, read
+            (namespace, key, owner), after = found
+            chain = list(_chain(fn, owner, instruction.argval, instructions[after:]))
+            if chain and namespace is not None:  # the global or closure variable rebound
+                yield "", CodeRead(f"{instruction.argval} (an object {fn.__qualname__} reads attributes of)", namespace, key, owner, "is")
+            yield from chain
+
+
+_Root = tuple[Any, "str | None", Any]  # (namespace or cell or None, key, value)
+
+
+def _root(
+    fn: types.FunctionType, code: types.CodeType, instructions: list[dis.Instruction], at: int, assigned: dict[str, _Root]
+) -> tuple[_Root, int] | None:
+    """The value the instructions at ``at`` load, when its attributes are followed, with where it
+    lives and the index after them: a global (the function's module namespace and the name), what
+    a global getter returns (``get_args()``: its module's namespace and the global it returns), a
+    closure cell of ``fn`` (the cell and None), or a local of :func:`_assigned_once`."""
+    instruction, own = instructions[at], code is fn.__code__
+    name, after = instruction.argval, at + 1
+    if instruction.opname == "LOAD_GLOBAL" and name in fn.__globals__:
+        root: _Root = (fn.__globals__, name, fn.__globals__[name])
+        call = _call_without_arguments(instructions, after)
+        if call is not None:
+            returned = _returned_global(root[2])
+            if returned is None:
+                return None
+            root, after = returned, call
+    elif instruction.opname == "LOAD_DEREF" and own and name in code.co_freevars and fn.__closure__:
+        cell = fn.__closure__[code.co_freevars.index(name)]
+        try:
+            root = (cell, None, cell.cell_contents)
+        except ValueError:  # an empty cell
+            return None
+    elif instruction.opname == "LOAD_FAST" and name in assigned:
+        root = assigned[name]
+    else:
+        return None
+    if type(root[2]) is dict:  # ``REGISTRY["vit"].depth``: the dict itself is compared as a global is
+        return (None, None, root[2]), after
+    return (root, after) if _followed_owner(root[2]) else None
+
+
+def _assigned_once(fn: types.FunctionType, code: types.CodeType, instructions: list[dis.Instruction]) -> dict[str, _Root]:
+    """The locals that stand for a followed value: the function's parameters with a default (the
+    default; the caller may pass another, so not where it lives) and the locals the code assigns
+    once, from a global, a getter's result or a closure variable (``args = get_args()``)."""
+    found: dict[str, _Root] = {name: (None, None, value) for name, value in _defaults(fn).items()} if code is fn.__code__ else {}
+    stores = collections.Counter(i.argval for i in instructions if i.opname in ("STORE_FAST", "DELETE_FAST"))
+    for at, instruction in enumerate(instructions):
+        if instruction.opname != "STORE_FAST" or stores[instruction.argval] != 1 or instruction.argval in found:
+            continue
+        for start in range(max(at - 3, 0), at):
+            root = _root(fn, code, instructions, start, {})
+            if root is not None and root[1] == at:
+                found[instruction.argval] = root[0]
                 break
+    return found
+
+
+def _call_without_arguments(instructions: list[dis.Instruction], at: int) -> int | None:
+    """The index after a call with no arguments starting at ``at`` (``PRECALL 0; CALL 0``), or None."""
+    if at < len(instructions) and instructions[at].opname == "PRECALL" and instructions[at].arg == 0:
+        at += 1
+    if at < len(instructions) and instructions[at].opname == "CALL" and instructions[at].arg == 0:
+        return at + 1
+    return None
+
+
+def _returned_global(getter: Any) -> _Root | None:
+    """Where the global a getter of model code returns lives (``def get_args(): return _ARGS``)."""
+    if not isinstance(getter, types.FunctionType) or _is_library(getter):
+        return None
+    name = _returned_name(getter.__code__)
+    return (getter.__globals__, name, getter.__globals__[name]) if name in getter.__globals__ else None
+
+
+@functools.lru_cache(maxsize=8192)
+def _returned_name(code: types.CodeType) -> str | None:
+    """The global a function without parameters returns at its only return, or None."""
+    instructions = list(dis.get_instructions(code))
+    returns = [at for at, i in enumerate(instructions) if i.opname.startswith("RETURN")]
+    if code.co_argcount or code.co_kwonlyargcount or len(returns) != 1 or instructions[returns[0]].opname != "RETURN_VALUE":
+        return None
+    before = instructions[returns[0] - 1]
+    return before.argval if before.opname == "LOAD_GLOBAL" else None
+
+
+def _defaults(fn: types.FunctionType) -> dict[str, Any]:
+    """The function's parameters that have a default, with it."""
+    code = fn.__code__
+    positional = code.co_varnames[: code.co_argcount]
+    found = dict(zip(positional[len(positional) - len(fn.__defaults__ or ()) :], fn.__defaults__ or ()))
+    return {**found, **(fn.__kwdefaults__ or {})}
+
+
+def _chain(fn: types.FunctionType, owner: Any, path: str, following: list[dis.Instruction]) -> Iterator[tuple[str, CodeRead]]:
+    """The reads along a chain of attributes and constant dict keys from ``owner`` (``CFG.deep.n``,
+    ``REGISTRY["vit"].depth``): each module, object or dict on the way by identity, the last
+    attribute's value as :func:`_read` compares it (a dict's last entry is the dict's: a memo's
+    entries are compared as its keys, :func:`_container_read`)."""
+    at = 0
+    while at < len(following):
+        step = following[at]
+        if step.opname in ("LOAD_ATTR", "LOAD_METHOD") and _followed_owner(owner):
+            name, path, used_as, at = step.argval, f"{path}.{step.argval}", "." + step.argval, at + 1
+            holder = _class_namespace(next((c for c in owner.__mro__ if name in vars(c)), object)) if isinstance(owner, type) else vars(owner)
+        elif _constant_key(following, at) and type(owner) is dict:
+            name, path, used_as, at, holder = step.argval, f"{path}[{step.argval!r}]", "", at + 2, owner
+        else:
+            return
+        if name not in holder:
+            return  # a method of the object's class, an attribute it makes on the fly, a missing key
+        value, label = holder[name], f"{path} (read by {fn.__qualname__})"
+        if isinstance(value, types.ModuleType) or _plain_object(value) or (type(value) is dict and _constant_key(following, at)):
+            yield used_as, CodeRead(label, holder, name, value, "is")
+            owner = value
+            continue
+        if holder is owner:  # a dict's entry (``CACHE["gram"]``): the dict is compared as a container
+            return
+        if isinstance(value, (staticmethod, classmethod)):  # ``Rotary.apply(x)``: its function, walked
+            yield used_as, CodeRead(label, holder, name, value, "is")
+        elif not (_library_module(_module_name(owner)) and callable(value)):
+            read = _read(label, holder, name, value)
+            if read is not None:
+                yield used_as, read
+        return
+
+
+def _constant_key(instructions: list[dis.Instruction], at: int) -> bool:
+    """Whether ``instructions[at:]`` subscript the value before with a constant string key (``["vit"]``)."""
+    return (
+        at + 1 < len(instructions) and instructions[at].opname == "LOAD_CONST" and isinstance(instructions[at].argval, str)
+        and instructions[at + 1].opname == "BINARY_SUBSCR"
+    )
 
 
 def _followed_owner(owner: Any) -> bool:
-    """Whether the attributes read on a global module or class are followed: model code's (not an
-    enumeration's members, which are constants), and the standard library's :data:`_STATE_MODULES`."""
+    """Whether the attributes read on a module, a class or an object are followed: model code's
+    (not an enumeration's members, which are constants), and of the standard library the values of
+    :data:`_STATE_MODULES` and plain namespaces (``types.SimpleNamespace``, ``argparse.Namespace``)."""
     if isinstance(owner, enum.EnumMeta):
         return False
-    name = _module_name(owner)
-    return not _library_module(name) or name in _STATE_MODULES
+    if isinstance(owner, (types.ModuleType, type)):
+        name = _module_name(owner)
+        return not _library_module(name) or name in _STATE_MODULES
+    return _plain_object(owner)
 
 
-def _module_name(owner: types.ModuleType | type) -> str:
-    return (owner.__name__ if isinstance(owner, types.ModuleType) else owner.__module__) or ""
+def _plain_object(value: Any) -> bool:
+    """An object whose attributes are settings the code may read (a config instance, a namespace of
+    parsed arguments): one with a ``__dict__`` that is not a module, class, function, tensor or
+    ``nn.Module``, of a class of model code or a plain namespace."""
+    if isinstance(value, _NOT_OBJECTS) or getattr(value, "__dict__", None) is None:
+        return False
+    module = type(value).__module__ or ""
+    return module in _NAMESPACE_MODULES or not _library_module(module)
+
+
+_NOT_OBJECTS = (
+    types.ModuleType, type, types.FunctionType, types.MethodType, types.BuiltinFunctionType, functools.partial,
+    torch.Tensor, torch.nn.Module,
+)
+_NAMESPACE_MODULES = frozenset({"types", "argparse"})  # SimpleNamespace, Namespace: plain attribute holders
+
+
+def _module_name(owner: Any) -> str:
+    """The module a module is, or that defines a class or an object's class."""
+    if isinstance(owner, types.ModuleType):
+        return owner.__name__
+    return (owner if isinstance(owner, type) else type(owner)).__module__ or ""
 
 
 _STATE_MODULES = frozenset({"os", "sys"})  # standard library modules whose values model code may branch on
@@ -548,11 +699,32 @@ def _read(label: str, namespace: Any, key: str | None, value: Any) -> CodeRead |
         return CodeRead(label, namespace, key, copied(value), "==") if plain(value, MAX_COMPARED) else CodeRead(label, namespace, key, value, "is")
     if plain(value):
         return CodeRead(label, namespace, key, copied(value), "==")
+    if isinstance(value, torch.Tensor):  # a weight or a table the code uses: the program holds its shape
+        return CodeRead(label, namespace, key, SameTensor(value), "==")
     if isinstance(value, (types.FunctionType, functools._lru_cache_wrapper)):  # a helper patched in: another situation
         return CodeRead(label, namespace, key, value, "is")
     if isinstance(value, collections.abc.Mapping):  # a registry object, not a dict: the dicts it keeps
         return CodeRead(label, namespace, key, RegistryContents(value), "==")
     return None
+
+
+class SameTensor:
+    """The expected value of a tensor the code reads from outside the model (a module-level table, a
+    closure's weight): the same tensor with the same shape (another one, or one resized in place,
+    may have other sizes than the trace's constant had)."""
+
+    __slots__ = ("tensor", "shape")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor, self.shape = tensor, tensor.shape
+
+    def __eq__(self, other: object) -> bool:
+        return other is self.tensor and other.shape == self.shape
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"the tensor of shape {tuple(self.shape)}"
 
 
 _BY_IDENTITY = (types.FunctionType, types.BuiltinFunctionType, type, functools.partial, functools._lru_cache_wrapper)

@@ -15,6 +15,7 @@ Each change in both directions, every call compared with FlopCounterMode on the 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import os
 import sys
@@ -331,6 +332,84 @@ def test_settings_read_through_a_module_or_a_class_guard_their_programs(backward
     finally:
         settings.EXTRA, Flags.FUSED, ThroughModulesAndClasses.WIDE, HELPER_REPEATS = False, False, False, 1
         settings.layers.extra = _helper_through_a_module
+
+
+@dataclasses.dataclass
+class _RunConfig:
+    extra: bool = False
+    deep: types.SimpleNamespace = dataclasses.field(default_factory=lambda: types.SimpleNamespace(n=1))
+
+
+RUN = _RunConfig()  # a module-level config object (an ``args`` namespace, a dataclass instance)
+BLOCKS = {"vit": types.SimpleNamespace(extra=False)}  # a registry of settings objects by name
+TABLE = torch.randn(8, 8)  # a module-level weight the forward multiplies by
+_HELPER_DEFAULTS = types.SimpleNamespace(extra=False)
+_GLOBAL_ARGS = types.SimpleNamespace(extra=False)  # parsed arguments kept by a getter, as Megatron-LM keeps them
+
+
+def get_args():
+    assert _GLOBAL_ARGS is not None, "arguments not initialised"
+    return _GLOBAL_ARGS
+
+
+def _with_defaults(h, fc, opts=_HELPER_DEFAULTS):
+    return fc(h) if opts.extra else h
+
+
+def _objects_model():
+    held = types.SimpleNamespace(extra=False)  # a settings object a closure holds
+
+    class ThroughObjects(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, x):
+            args = get_args()
+            h = self.fc(x)
+            if args.extra:
+                h = self.fc(h)
+            if RUN.extra:
+                h = self.fc(h)
+            for _ in range(RUN.deep.n):
+                h = self.fc(h)
+            if held.extra:
+                h = self.fc(h)
+            if BLOCKS["vit"].extra:
+                h = self.fc(h)
+            return _with_defaults(h, self.fc) @ TABLE
+
+    return ThroughObjects(), held
+
+
+@pytest.mark.parametrize("backward", [False, True])
+def test_objects_and_tensors_the_code_reads_outside_the_model_guard_their_programs(backward):
+    global RUN, TABLE, _GLOBAL_ARGS
+    model, held = _objects_model()
+    wrapper = fxflops.instrument(model, backward=backward)
+    original_run, original_table, original_args = RUN, TABLE, _GLOBAL_ARGS
+    try:
+        _check(wrapper, model, backward, "traced")
+        changes = [
+            ("a global object's attribute", lambda: setattr(RUN, "extra", True)),
+            ("an attribute two objects deep", lambda: setattr(RUN.deep, "n", 3)),
+            ("the object in between replaced", lambda: setattr(RUN, "deep", types.SimpleNamespace(n=2))),
+            ("the global rebound to another object", lambda: globals().update(RUN=_RunConfig())),
+            ("an object a closure holds", lambda: setattr(held, "extra", True)),
+            ("an object in a global dict", lambda: setattr(BLOCKS["vit"], "extra", True)),
+            ("a helper's default object", lambda: setattr(_HELPER_DEFAULTS, "extra", True)),
+            ("an object a getter returns", lambda: setattr(_GLOBAL_ARGS, "extra", True)),
+            ("the getter's global rebound", lambda: globals().update(_GLOBAL_ARGS=types.SimpleNamespace(extra=False))),
+            ("a global tensor of another shape", lambda: globals().update(TABLE=torch.randn(8, 24))),
+            ("a global tensor resized in place", lambda: TABLE.resize_(8, 16)),
+        ]
+        for label, change in changes:
+            change()
+            _check(wrapper, model, backward, label)
+    finally:
+        RUN, TABLE, _GLOBAL_ARGS = original_run, original_table, original_args
+        _GLOBAL_ARGS.extra = False
+        BLOCKS["vit"].extra = _HELPER_DEFAULTS.extra = False
 
 
 class Takes(nn.Module):
