@@ -39,7 +39,7 @@ modules passed by identity), and so are the attributes it reads on an object's c
 guards these as it guards a global, and no attribute access on the modules records them. An
 attribute the code assigns on a module (``settings.calls += 1``) is compared by type, as an
 assigned global is. Not followed: torch's and fxflops' modules, enumerations, and the standard
-library but for ``os`` and ``sys`` (whose functions are not walked either) and plain namespaces
+library but for ``os`` (``os.environ``; its functions are not walked) and plain namespaces
 (``types.SimpleNamespace``, ``argparse.Namespace``). A tensor the code reads from outside the model
 (``x @ TABLE``) is compared by identity and shape (:class:`SameTensor`). Not seen: an object reached
 through a call's result other than a getter's, or through a computed key.
@@ -638,7 +638,10 @@ def _plain_object(value: Any) -> bool:
     """An object whose attributes are settings the code may read (a config instance, a namespace of
     parsed arguments): one with a ``__dict__`` that is not a module, class, function, tensor or
     ``nn.Module``, of a class of model code or a plain namespace."""
-    if isinstance(value, _NOT_OBJECTS) or getattr(value, "__dict__", None) is None:
+    try:
+        if isinstance(value, _NOT_OBJECTS) or getattr(value, "__dict__", None) is None:
+            return False
+    except Exception:  # noqa: BLE001 - a proxy whose attributes raise: not followed
         return False
     module = type(value).__module__ or ""
     return module in _NAMESPACE_MODULES or not _library_module(module)
@@ -658,7 +661,7 @@ def _module_name(owner: Any) -> str:
     return (owner if isinstance(owner, type) else type(owner)).__module__ or ""
 
 
-_STATE_MODULES = frozenset({"os", "sys"})  # standard library modules whose values model code may branch on
+_STATE_MODULES = frozenset({"os"})  # the standard library module whose values model code may branch on (``os.environ``)
 
 
 _MUTABLE = (list, dict, set)
