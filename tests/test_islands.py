@@ -221,6 +221,42 @@ def test_a_measured_call_leaves_the_model_and_the_thread_as_they_were():
     assert not _get_current_dispatch_mode_stack()
 
 
+class _CompiledInside(nn.Module):
+    """A measured root (its row count read from the values) calling a compiled submodule and a
+    compiled function: their graphs run under the measuring mode, whose own frames Dynamo must not
+    trace (``islands.OwnOps``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.child = torch.compile(nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16)), backend="eager")
+        self.w = nn.Parameter(torch.randn(16, 16) / 4)
+
+    def forward(self, x):
+        x = x[: int((x[:, 0] > 0).sum()) + 1]
+        return _compiled_product(self.child(x), self.w)
+
+
+@torch.compile(backend="eager")
+def _compiled_product(x, w):
+    return (x @ w).tanh() @ w
+
+
+@pytest.mark.parametrize("training", [False, True])
+def test_compiled_code_inside_a_measured_call_is_measured_exactly(training):
+    torch.manual_seed(0)
+    net = _CompiledInside()
+    wrapper = fxflops.instrument(net, backward=training, strict=True)
+    for x in (torch.randn(n, 16) for n in (24, 9, 24)):
+        wrapper.flops.reset()
+        with torch.set_grad_enabled(training):
+            out = wrapper(x)
+            if training:
+                out.sum().backward()
+        assert wrapper.measured and wrapper.flops.uncounted == 0
+        assert wrapper.flops.total() == flop_counter_call(net, (x,), {}, backward=training)
+    assert not _get_current_dispatch_mode_stack()
+
+
 def test_two_threads_measure_their_calls_at_once():
     """Two threads in measured calls of one wrapper at the same moment (a barrier inside the
     measured code): each call counted exactly, the sum too."""

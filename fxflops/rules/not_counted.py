@@ -82,7 +82,7 @@ def touches_floats(inputs: Any, output: Any) -> bool:
     Only such ops can be unsupported: size queries (``sym_size``) and integer index math do no
     floating-point work.
     """
-    return _has_tensor(output) and (_floating_tensors(inputs) or _floating_tensors(output))
+    return _has_tensor(output) and (_floating_tensors(output) or _floating_tensors(inputs))  # the output first: mostly decides
 
 
 def is_not_counted(op: Any) -> bool:
