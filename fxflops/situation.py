@@ -55,7 +55,7 @@ from fxflops.analysis.paths import inside, moved
 from fxflops.call_keys import SCALARS, described_layout, value_key
 from fxflops.capture.reads import Reads, module_at, named_modules
 from fxflops.errors import InputError
-from fxflops.situation_code import CodeRead, code_reads, copied, importable, plain
+from fxflops.situation_code import CodeRead, SamePartial, code_reads, copied, importable, plain
 
 
 def _autocast_key() -> tuple:
@@ -671,28 +671,6 @@ def _guard(label: str, path: str, held: str | None, key: str, value: Any, consta
         except InputError:  # too large to compare per call (a big array): by identity
             pass
     return StateGuard(label, path, held, key, value, "is")
-
-
-class SamePartial:
-    """The expected value of a ``functools.partial`` whose arguments are plain values
-    (``partial(F.gelu, approximate="tanh")``): equal to a partial of the same type and function
-    holding equal arguments (its ``keywords`` dict can change in place). Keying it whole took 6 µs per
-    call; this takes a few hundred nanoseconds."""
-
-    __slots__ = ("kind", "func", "args", "keywords")
-
-    def __init__(self, value: functools.partial) -> None:
-        self.kind, self.func, self.args, self.keywords = type(value), value.func, copied(value.args), copied(value.keywords)
-
-    def __eq__(self, other: object) -> bool:
-        return (
-            type(other) is self.kind and other.func is self.func and other.args == self.args and other.keywords == self.keywords
-        )
-
-    __hash__ = None  # type: ignore[assignment]
-
-    def __repr__(self) -> str:
-        return f"partial({getattr(self.func, '__name__', self.func)}, {self.args}, {self.keywords})"
 
 
 def _modules_and_plain(value: Any) -> bool:

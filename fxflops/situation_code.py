@@ -12,7 +12,8 @@ the trace called on the plain objects the modules hold (``self.bank.read()``), t
 the functions the modules hold as attributes (``self.select = select``) and those the call passes (``how=fn``:
 its key is its code and closure, its globals are read here; a saved program keeps those of importable
 functions only). Plain values (numbers,
-strings, flags, tuples of them) are compared by value, functions by identity. A module-level list,
+strings, flags, tuples of them) are compared by value, functions, bound methods and builtins by
+identity, a ``functools.partial`` of plain arguments by its function and arguments. A module-level list,
 dict or set of plain values is compared by value too (a setting changed in place, ``CONFIG["layers"]
 = 2``, is another situation). How the code uses a container decides the rest (:func:`_uses`, from
 the bytecode): one it only fills in place (``LOG.append(...)``, ``SEEN.add(...)``, ``STATS[k] =
@@ -41,7 +42,9 @@ attribute the code assigns on a module (``settings.calls += 1``) is compared by 
 assigned global is. Not followed: torch's and fxflops' modules, enumerations, and the standard
 library but for ``os`` (``os.environ``; its functions are not walked) and plain namespaces
 (``types.SimpleNamespace``, ``argparse.Namespace``). A tensor the code reads from outside the model
-(``x @ TABLE``) is compared by identity and shape (:class:`SameTensor`). Not seen: an object reached
+(``x @ TABLE``) is compared by identity and shape (:class:`SameTensor`). What the code reads
+through ``super()`` (``super().forward(x)``) is compared by identity on the base class that defines
+it, torch's classes too (:func:`_super_reads`). Not seen: an object reached
 through a call's result other than a getter's, or through a computed key.
 (Attributes of the model's modules and of the objects they hold, class attributes among them, are
 ``fxflops/situation.py``'s; the call's arguments ``fxflops/call_keys.py``'s.)
@@ -231,7 +234,7 @@ def _followed(
         seen.add(id(fn))
         reads = list(_reads_of(fn))
         yield fn, reads
-        todo += [f for _, read in reads for f in _functions_in(read.expected)]
+        todo += [f for _, read in reads for f in _functions_in(read.expected.func if isinstance(read.expected, SamePartial) else read.expected)]
 
 
 def _hooks(model: torch.nn.Module) -> Iterator[types.FunctionType]:
@@ -479,6 +482,7 @@ def _attribute_reads(fn: types.FunctionType) -> Iterator[tuple[str, CodeRead]]:
     ``.attribute`` (the code uses it as an attribute, see :func:`_uses`). Not torch's or fxflops'
     modules, classes and objects; of the standard library, only the values of
     :data:`_STATE_MODULES` and plain namespaces."""
+    yield from _super_reads(fn)
     for code in _codes(fn.__code__):
         instructions = list(dis.get_instructions(code))
         assigned = _assigned_once(fn, code, instructions)
@@ -491,6 +495,47 @@ def _attribute_reads(fn: types.FunctionType) -> Iterator[tuple[str, CodeRead]]:
             if chain and namespace is not None:  # the global or closure variable rebound
                 yield "", CodeRead(f"{instruction.argval} (an object {fn.__qualname__} reads attributes of)", namespace, key, owner, "is")
             yield from chain
+
+
+def _super_reads(fn: types.FunctionType) -> Iterator[tuple[str, CodeRead]]:
+    """The methods and attributes ``fn`` reads through ``super()`` (``super().forward(x)``), by
+    identity on the class after ``fn``'s own in its MRO that defines them, torch's classes too: a
+    base class's method patched (``nn.Linear.forward`` by a library) runs in every subclass calling
+    it so, and no attribute read on the module sees it (the subclass defines its own)."""
+    code = fn.__code__
+    if "__class__" not in code.co_freevars or not fn.__closure__:
+        return
+    try:
+        cls = fn.__closure__[code.co_freevars.index("__class__")].cell_contents
+    except ValueError:  # an empty cell
+        return
+    if not isinstance(cls, type):
+        return
+    for name in _super_attributes(code):
+        mro = cls.__mro__
+        owner = next((c for c in mro[mro.index(cls) + 1 :] if name in vars(c)), None)
+        if owner is not None and owner not in _TORCH_ROOTS:
+            namespace = _class_namespace(owner)
+            yield "." + name, CodeRead(f"{owner.__qualname__}.{name} (read through super() by {fn.__qualname__})", namespace, name, namespace[name], "is")
+
+
+_TORCH_ROOTS = (object, torch.nn.Module)  # their attributes are torch's machinery (``super().__init__``)
+
+
+@functools.lru_cache(maxsize=8192)
+def _super_attributes(code: types.CodeType) -> frozenset[str]:
+    """The attribute names the code loads on ``super()`` (``super().forward``: a call of ``super``
+    with no arguments, then the load; ``LOAD_SUPER_ATTR`` from Python 3.12)."""
+    instructions = list(dis.get_instructions(code))
+    names = set()
+    for at, instruction in enumerate(instructions):
+        if instruction.opname == "LOAD_SUPER_ATTR":
+            names.add(instruction.argval)
+        elif instruction.opname == "LOAD_GLOBAL" and instruction.argval == "super":
+            after = _call_without_arguments(instructions, at + 1)
+            if after is not None and after < len(instructions) and instructions[after].opname in ("LOAD_ATTR", "LOAD_METHOD"):
+                names.add(instructions[after].argval)
+    return frozenset(names)
 
 
 _Root = tuple[Any, "str | None", Any]  # (namespace or cell or None, key, value)
@@ -693,6 +738,28 @@ class OfType:
         return f"a {self.type.__name__}"
 
 
+class SamePartial:
+    """The expected value of a ``functools.partial`` whose arguments are plain values
+    (``partial(F.gelu, approximate="tanh")``): equal to a partial of the same type and function
+    holding equal arguments (its ``keywords`` dict can change in place). Keying it whole took 6 µs per
+    call; this takes a few hundred nanoseconds."""
+
+    __slots__ = ("kind", "func", "args", "keywords")
+
+    def __init__(self, value: functools.partial) -> None:
+        self.kind, self.func, self.args, self.keywords = type(value), value.func, copied(value.args), copied(value.keywords)
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            type(other) is self.kind and other.func is self.func and other.args == self.args and other.keywords == self.keywords
+        )
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"partial({getattr(self.func, '__name__', self.func)}, {self.args}, {self.keywords})"
+
+
 def _read(label: str, namespace: Any, key: str | None, value: Any) -> CodeRead | None:
     if isinstance(value, type):  # a class the code builds or tests against: not state a count depends on
         return None
@@ -704,7 +771,9 @@ def _read(label: str, namespace: Any, key: str | None, value: Any) -> CodeRead |
         return CodeRead(label, namespace, key, copied(value), "==")
     if isinstance(value, torch.Tensor):  # a weight or a table the code uses: the program holds its shape
         return CodeRead(label, namespace, key, SameTensor(value), "==")
-    if isinstance(value, (types.FunctionType, functools._lru_cache_wrapper)):  # a helper patched in: another situation
+    if isinstance(value, functools.partial) and plain(value.args) and plain(value.keywords):
+        return CodeRead(label, namespace, key, SamePartial(value), "==")  # its settings, changed in place too
+    if isinstance(value, _CALLABLES):  # a helper patched in: another situation
         return CodeRead(label, namespace, key, value, "is")
     if isinstance(value, collections.abc.Mapping):  # a registry object, not a dict: the dicts it keeps
         return CodeRead(label, namespace, key, RegistryContents(value), "==")
@@ -730,6 +799,9 @@ class SameTensor:
         return f"the tensor of shape {tuple(self.shape)}"
 
 
+_CALLABLES = (  # compared by identity (the functions among them are walked)
+    types.FunctionType, functools._lru_cache_wrapper, functools.partial, types.MethodType, types.BuiltinFunctionType,
+)
 _BY_IDENTITY = (types.FunctionType, types.BuiltinFunctionType, type, functools.partial, functools._lru_cache_wrapper)
 
 

@@ -412,6 +412,91 @@ def test_objects_and_tensors_the_code_reads_outside_the_model_guard_their_progra
         BLOCKS["vit"].extra = _HELPER_DEFAULTS.extra = False
 
 
+class _Projection(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+class _ScaledProjection(_Projection):
+    """Calls its base's forward through ``super()``: a patch of the base's method runs here too."""
+
+    def forward(self, x):
+        return super().forward(x) * 2
+
+
+class _DoubledLinear(nn.Linear):
+    def forward(self, x):
+        return super().forward(x) * 2
+
+
+def _twice_projected(self, x):
+    return self.fc(self.fc(x))
+
+
+def _twice_linear(self, x):
+    return nn.functional.linear(nn.functional.linear(x, self.weight), self.weight, self.bias)
+
+
+@pytest.mark.parametrize("backward", [False, True])
+@pytest.mark.parametrize("base", ["model code", "torch"])
+def test_a_base_method_reached_through_super_and_patched_is_another_situation(backward, base):
+    """A library patching a base class's method (``nn.Linear.forward``, as adapters and quantizers
+    do) changes every subclass that calls it through ``super()``; the subclass's own ``forward``,
+    which the module's attribute reads see, is unchanged."""
+    owner, patch = (_Projection, _twice_projected) if base == "model code" else (nn.Linear, _twice_linear)
+    model = _ScaledProjection() if base == "model code" else nn.Sequential(_DoubledLinear(8, 8))
+    wrapper = fxflops.instrument(model, backward=backward)
+    original = owner.forward
+    try:
+        _check(wrapper, model, backward, "traced")
+        owner.forward = patch
+        _check(wrapper, model, backward, "the base's method patched")
+        owner.forward = original
+        _check(wrapper, model, backward, "restored")
+    finally:
+        owner.forward = original
+
+
+def _repeated(h, fc, times):
+    for _ in range(times):
+        h = fc(h)
+    return h
+
+
+STEP = functools.partial(_repeated, times=1)  # a module-level partial the forward calls
+COMBINE = torch.add  # a builtin bound to a global, which a library may replace
+
+
+class _PartialAndBuiltin(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return COMBINE(STEP(x, self.fc), x)
+
+
+@pytest.mark.parametrize("backward", [False, True])
+def test_a_partial_or_builtin_global_replaced_is_another_situation(backward):
+    global STEP, COMBINE
+    model = _PartialAndBuiltin()
+    wrapper = fxflops.instrument(model, backward=backward)
+    try:
+        _check(wrapper, model, backward, "traced")
+        STEP.keywords["times"] = 2
+        _check(wrapper, model, backward, "the partial's keywords changed in place")
+        STEP = functools.partial(_repeated, times=3)
+        _check(wrapper, model, backward, "the partial replaced")
+        COMBINE = lambda a, b: a @ b.T @ b  # noqa: E731 - a fused kernel patched in
+        _check(wrapper, model, backward, "the builtin replaced")
+    finally:
+        STEP, COMBINE = functools.partial(_repeated, times=1), torch.add
+
+
 class Takes(nn.Module):
     def __init__(self) -> None:
         super().__init__()
