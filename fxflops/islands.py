@@ -69,7 +69,6 @@ if TYPE_CHECKING:
     from fxflops.instrument import Instrumented
 
 _sequence_nr = torch._C._autograd._get_sequence_nr  # the autograd node counter of this thread
-_set_eval_frame = torch._C._dynamo.eval_frame.set_eval_frame  # Dynamo's frame callback: returns the prior one
 
 Key = tuple[str, str, str, bool]  # (module, phase, kind, causal): one measured column (two when causal)
 
@@ -207,6 +206,19 @@ class Work:
         return bool(self.dense or self.unsupported)
 
 
+def _untraced(code: types.CodeType) -> bool:
+    """Mark ``code`` for Dynamo to skip, with every frame it calls (what ``torch._disable_dynamo``
+    does per call, set once); False where this torch has no such switch."""
+    try:
+        from torch._C._dynamo.eval_frame import set_code_exec_strategy
+        from torch._dynamo.types import FrameAction, FrameExecStrategy
+
+        set_code_exec_strategy(code, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
+    except (ImportError, AttributeError, TypeError, RuntimeError):
+        return False
+    return True
+
+
 class OwnOps(TorchDispatchMode):
     """Adds every op run while active to ``work`` under ``module()`` and ``phase``, priced by
     ``prices`` (a :class:`Prices`) with the per-use ``rules``. The model's ops run and raise as they
@@ -214,13 +226,14 @@ class OwnOps(TorchDispatchMode):
     raised into the model.
 
     torch wraps a mode's ``__torch_dispatch__`` in ``torch._disable_dynamo`` (Dynamo must not trace
-    the mode's own frames when a compiled region runs under it), about 1.3 µs per op. This mode does
-    what that wrapper does, switching Dynamo's frame evaluation off for its own frames and back,
-    with two C calls."""
+    the mode's own frames when a compiled region runs under it), about 1.3 µs per op. This mode's
+    code is marked for Dynamo to skip instead, with the frames it calls (:func:`_untraced`): nothing
+    per op. Where that cannot be marked, torch's wrapper stays."""
 
     @classmethod
-    def _should_skip_dynamo(cls) -> bool:
-        return False  # done in __torch_dispatch__ itself, for less
+    def _should_skip_dynamo(cls) -> bool:  # asked once, as the class is made
+        raw = cls.__dict__.get("__torch_dispatch__")
+        return not (isinstance(raw, types.FunctionType) and _untraced(raw.__code__))
 
     def __init__(self, work: Work, module: Callable[[], str], phase: str, rules: Any, prices: Prices, seen: dict[int, str] | None = None) -> None:
         super().__init__()
@@ -230,13 +243,7 @@ class OwnOps(TorchDispatchMode):
         self.error: str | None = None
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        prior = _set_eval_frame(None)  # no Dynamo in this mode's frames (what torch._disable_dynamo does)
-        try:
-            return self._run(func, args, kwargs or {})
-        finally:
-            _set_eval_frame(prior)
-
-    def _run(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        kwargs = kwargs or {}
         out = func(*args, **kwargs)
         if self.error is None:
             try:
