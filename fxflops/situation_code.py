@@ -311,6 +311,12 @@ def _codes(code: types.CodeType) -> Iterator[types.CodeType]:
             yield from _codes(const)
 
 
+@functools.lru_cache(maxsize=8192)  # code objects are immutable: disassembled once per process
+def _instructions(code: types.CodeType) -> list[dis.Instruction]:
+    """The code's instructions (shared by the scans below: do not change the list)."""
+    return list(dis.get_instructions(code))
+
+
 _WRITES = frozenset({"STORE_GLOBAL", "DELETE_GLOBAL", "STORE_DEREF", "DELETE_DEREF"})
 
 
@@ -318,13 +324,13 @@ _WRITES = frozenset({"STORE_GLOBAL", "DELETE_GLOBAL", "STORE_DEREF", "DELETE_DER
 def _written(code: types.CodeType) -> frozenset[str]:
     """The globals and closure variables the code assigns (``global n; n += 1``, ``nonlocal``): the
     code's own bookkeeping (a call counter), which would otherwise make every call another situation."""
-    return frozenset(i.argval for c in _codes(code) for i in dis.get_instructions(c) if i.opname in _WRITES)
+    return frozenset(i.argval for c in _codes(code) for i in _instructions(c) if i.opname in _WRITES)
 
 
 @functools.lru_cache(maxsize=8192)
 def _attributes_set(code: types.CodeType) -> frozenset[str]:
     """The attribute names the code assigns or deletes (``cfg.calls += 1``, ``self.x = v``)."""
-    return frozenset(i.argval for c in _codes(code) for i in dis.get_instructions(c) if i.opname in ("STORE_ATTR", "DELETE_ATTR"))
+    return frozenset(i.argval for c in _codes(code) for i in _instructions(c) if i.opname in ("STORE_ATTR", "DELETE_ATTR"))
 
 
 @functools.lru_cache(maxsize=8192)
@@ -333,7 +339,7 @@ def _class_attributes_read(code: types.CodeType) -> frozenset[str]:
     ``self.__class__.FUSED``): reads no attribute access on the object records."""
     names = set()
     for c in _codes(code):
-        instructions = list(dis.get_instructions(c))
+        instructions = _instructions(c)
         for at, instruction in enumerate(instructions):
             if instruction.opname not in ("LOAD_ATTR", "LOAD_METHOD") or not at:
                 continue
@@ -384,7 +390,7 @@ def _uses(code: types.CodeType) -> Uses:
     changed: set[tuple[int, int]] = set()
     both: set[tuple[int, int]] = set()  # loads the walk could not place: changed and used
     for number, c in enumerate(_codes(code)):
-        instructions = list(dis.get_instructions(c))
+        instructions = _instructions(c)
         for at, instruction in enumerate(instructions):
             where = (number, instruction.offset)
             if _kind(instruction) is not None:
@@ -458,7 +464,11 @@ def _reads_of(fn: types.FunctionType) -> Iterator[tuple[str, CodeRead]]:
             read = (_assigned if name in written else _read)(label, namespace, name, namespace[name])
             if read is not None:
                 yield name, read
-    yield from _attribute_reads(fn)
+    try:
+        attributes = list(_attribute_reads(fn))
+    except Exception:  # noqa: BLE001 - an object whose namespace misbehaves (a proxy): its attributes unguarded
+        attributes = []
+    yield from attributes
     if hasattr(fn, "__wrapped__"):  # a decorator's wrapper: its cells hold the decorator's settings
         return
     for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or ()):
@@ -484,7 +494,7 @@ def _attribute_reads(fn: types.FunctionType) -> Iterator[tuple[str, CodeRead]]:
     :data:`_STATE_MODULES` and plain namespaces."""
     yield from _super_reads(fn)
     for code in _codes(fn.__code__):
-        instructions = list(dis.get_instructions(code))
+        instructions = _instructions(code)
         assigned = _assigned_once(fn, code, instructions)
         for at, instruction in enumerate(instructions):
             found = _root(fn, code, instructions, at, assigned)
@@ -526,7 +536,7 @@ _TORCH_ROOTS = (object, torch.nn.Module)  # their attributes are torch's machine
 def _super_attributes(code: types.CodeType) -> frozenset[str]:
     """The attribute names the code loads on ``super()`` (``super().forward``: a call of ``super``
     with no arguments, then the load; ``LOAD_SUPER_ATTR`` from Python 3.12)."""
-    instructions = list(dis.get_instructions(code))
+    instructions = _instructions(code)
     names = set()
     for at, instruction in enumerate(instructions):
         if instruction.opname == "LOAD_SUPER_ATTR":
@@ -610,7 +620,7 @@ def _returned_global(getter: Any) -> _Root | None:
 @functools.lru_cache(maxsize=8192)
 def _returned_name(code: types.CodeType) -> str | None:
     """The global a function without parameters returns at its only return, or None."""
-    instructions = list(dis.get_instructions(code))
+    instructions = _instructions(code)
     returns = [at for at, i in enumerate(instructions) if i.opname.startswith("RETURN")]
     if code.co_argcount or code.co_kwonlyargcount or len(returns) != 1 or instructions[returns[0]].opname != "RETURN_VALUE":
         return None
