@@ -115,7 +115,7 @@ def code_reads(model: torch.nn.Module, called: dict[str, set[str]], functions: l
     attributes_changed: set[str] = set()
     attributes_used: set[str] = set()
     attributes_set: set[str] = set()  # attributes some function assigns (``cfg.calls += 1``)
-    module_attributes: set[tuple[int, str | None]] = set()  # reads of a module's attribute (``cfg.FLAG``)
+    module_attributes: set[tuple[int, str | None]] = set()  # reads along attribute chains (``cfg.FLAG``, ``ARGS.n``)
     class_attributes: set[str] = set()  # attributes read on a class (``type(module).FUSED``)
     for fn, reads in _followed(model, called, functions):
         uses = _uses(fn.__code__)
@@ -136,7 +136,7 @@ def code_reads(model: torch.nn.Module, called: dict[str, set[str]], functions: l
                 used.add(where)
         class_attributes |= _class_attributes_read(fn.__code__)
     found.update(_class_reads(model, class_attributes, found))
-    for where in module_attributes:  # one the code assigns is its bookkeeping, as an assigned global
+    for where in module_attributes:  # one the code assigns (``cfg.calls += 1``) is its bookkeeping, as an assigned global
         if where[1] in attributes_set:
             read = found[where]
             found[where] = _assigned(read.label, read.namespace, read.key, read.now())
