@@ -58,7 +58,9 @@ import dataclasses
 import dis
 import enum
 import functools
+import os
 import sys
+import sysconfig
 import types
 import weakref
 from collections.abc import Iterator
@@ -298,9 +300,20 @@ def _is_library(fn: types.FunctionType) -> bool:
 
 
 def _library_module(name: str) -> bool:
-    """torch's, fxflops' and the standard library's modules: their functions are not walked."""
+    """torch's, fxflops' and the standard library's modules: their functions are not walked. A
+    standard library name is taken for the standard library only where the module loaded under it
+    is (built in, or a file of the interpreter's library): model code in a ``trace.py`` of its own
+    is walked."""
     top = name.partition(".")[0]
-    return top in ("torch", "fxflops") or top in sys.stdlib_module_names
+    if top in ("torch", "fxflops"):
+        return True
+    if top not in sys.stdlib_module_names:
+        return False
+    path = getattr(sys.modules.get(top), "__file__", None)
+    return path is None or os.path.realpath(path).startswith(_STANDARD_LIBRARY)
+
+
+_STANDARD_LIBRARY = os.path.realpath(sysconfig.get_paths()["stdlib"]) + os.sep
 
 
 def _codes(code: types.CodeType) -> Iterator[types.CodeType]:

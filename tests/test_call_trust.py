@@ -497,6 +497,39 @@ def test_a_partial_or_builtin_global_replaced_is_another_situation(backward):
         STEP, COMBINE = functools.partial(_repeated, times=1), torch.add
 
 
+def test_model_code_in_a_module_named_like_the_standard_library_is_walked(tmp_path, monkeypatch):
+    """The standard library's functions are not walked; a project's own ``colorsys.py`` is model
+    code, and the globals its model reads guard the program as any module's do."""
+    (tmp_path / "colorsys.py").write_text(
+        "import torch\n"
+        "REPEATS = 1\n"
+        "class Repeating(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.fc = torch.nn.Linear(8, 8)\n"
+        "    def forward(self, x):\n"
+        "        for _ in range(REPEATS):\n"
+        "            x = self.fc(x)\n"
+        "        return x\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    original = sys.modules.pop("colorsys", None)
+    try:
+        import importlib
+
+        shadowing = importlib.import_module("colorsys")
+        assert shadowing.__file__.startswith(str(tmp_path))
+        model = shadowing.Repeating()
+        wrapper = fxflops.instrument(model)
+        _check(wrapper, model, False, "traced")
+        shadowing.REPEATS = 3
+        _check(wrapper, model, False, "the global of a module named like the standard library's changed")
+    finally:  # the standard library's colorsys back for the rest of the process (matplotlib imports it)
+        sys.modules.pop("colorsys", None)
+        if original is not None:
+            sys.modules["colorsys"] = original
+
+
 class Takes(nn.Module):
     def __init__(self) -> None:
         super().__init__()
