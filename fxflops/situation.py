@@ -55,7 +55,7 @@ from fxflops.analysis.paths import inside, moved
 from fxflops.call_keys import SCALARS, described_layout, value_key
 from fxflops.capture.reads import Reads, module_at, named_modules
 from fxflops.errors import InputError
-from fxflops.situation_code import CodeRead, SamePartial, code_reads, copied, importable, plain
+from fxflops.situation_code import TORCH_BASES, CodeRead, SamePartial, code_reads, copied, importable, plain
 
 
 def _autocast_key() -> tuple:
@@ -631,7 +631,6 @@ def _registered(module: torch.nn.Module, name: str) -> bool:
     return name in module._parameters or name in module._buffers or name in module._modules
 
 
-_TORCH_BASES = frozenset({object, torch.nn.Module})  # their attributes are torch's machinery, not model state
 _ROUTED = frozenset({"forward"})  # set on instances by fxflops' own routes too: the structure check's (``fxflops_own``)
 
 
@@ -640,7 +639,7 @@ def _not_on_instance(obj: Any, label: str, path: str, held: str | None, name: st
     there, and the value of the class that has it (not for ``nn.Module``'s and ``object``'s own
     machinery, nor what the structure check covers: ``forward`` set on the instance)."""
     owner = next((cls for cls in type(obj).__mro__ if name in vars(cls)), None)
-    if owner in _TORCH_BASES:
+    if owner in TORCH_BASES:
         return []
     guards = [] if name in _ROUTED else [StateGuard(f"{label} (on the instance)", path, held, name, None, "is", "absent")]
     if owner is not None:

@@ -70,7 +70,7 @@ from typing import Any
 import torch
 
 from fxflops.call_keys import SCALARS
-from fxflops.capture.reads import module_at, named_modules
+from fxflops.capture.reads import NOT_HELD, module_at, named_modules
 
 MAX_FUNCTIONS = 512  # functions followed per model: the guards stay cheap, a huge code base is cut short
 MAX_COMPARED = 1024  # values of a module-level container compared per call (a larger one: by identity)
@@ -537,12 +537,12 @@ def _super_reads(fn: types.FunctionType) -> Iterator[tuple[str, CodeRead]]:
     for name in _super_attributes(code):
         mro = cls.__mro__
         owner = next((c for c in mro[mro.index(cls) + 1 :] if name in vars(c)), None)
-        if owner is not None and owner not in _TORCH_ROOTS:
+        if owner is not None and owner not in TORCH_BASES:
             namespace = _class_namespace(owner)
             yield "." + name, CodeRead(f"{owner.__qualname__}.{name} (read through super() by {fn.__qualname__})", namespace, name, namespace[name], "is")
 
 
-_TORCH_ROOTS = (object, torch.nn.Module)  # their attributes are torch's machinery (``super().__init__``)
+TORCH_BASES = frozenset({object, torch.nn.Module})  # their attributes are torch's machinery, not model state (``super().__init__``)
 
 
 @functools.lru_cache(maxsize=8192)
@@ -715,10 +715,7 @@ def _plain_object(value: Any) -> bool:
     return module in _NAMESPACE_MODULES or not _library_module(module)
 
 
-_NOT_OBJECTS = (
-    types.ModuleType, type, types.FunctionType, types.MethodType, types.BuiltinFunctionType, functools.partial,
-    torch.Tensor, torch.nn.Module,
-)
+_NOT_OBJECTS = (*NOT_HELD, functools.partial)  # what capture/reads.py does not record reads on, and partials
 _NAMESPACE_MODULES = frozenset({"types", "argparse"})  # SimpleNamespace, Namespace: plain attribute holders
 
 

@@ -30,7 +30,7 @@ from torch.fx.experimental.proxy_tensor import _AttrProxy
 
 from fxflops.capture.scope import patched
 
-_NOT_HELD = (torch.nn.Module, torch.Tensor, type, types.FunctionType, types.MethodType, types.BuiltinFunctionType, types.ModuleType)
+NOT_HELD = (torch.nn.Module, torch.Tensor, type, types.FunctionType, types.MethodType, types.BuiltinFunctionType, types.ModuleType)
 
 
 @dataclass
@@ -151,7 +151,7 @@ def _is_held(value: Any) -> bool:
     kind = type(value)
     return (
         hasattr(value, "__dict__")
-        and not isinstance(value, _NOT_HELD)
+        and not isinstance(value, NOT_HELD)
         and kind.__module__ not in ("builtins", "functools", "collections", "enum")
         and not issubclass(kind, BaseException)
     )
