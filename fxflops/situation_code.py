@@ -42,7 +42,9 @@ attribute the code assigns on a module (``settings.calls += 1``) is compared by 
 assigned global is. Not followed: torch's and fxflops' modules, enumerations, and the standard
 library but for ``os`` (``os.environ``; its functions are not walked) and plain namespaces
 (``types.SimpleNamespace``, ``argparse.Namespace``). A tensor the code reads from outside the model
-(``x @ TABLE``) is compared by identity and shape (:class:`SameTensor`). What the code reads
+(``x @ TABLE``) is compared by identity and shape (:class:`SameTensor`). A torch setting the code
+reads by calling a getter without arguments (``torch.get_num_threads()``,
+``dist.is_initialized()``) is compared by the value the getter returns now (:func:`_getter_reads`). What the code reads
 through ``super()`` (``super().forward(x)``) is compared by identity on the base class that defines
 it, torch's classes too (:func:`_super_reads`). Not seen: an object reached
 through a call's result other than a getter's, or through a computed key.
@@ -506,6 +508,7 @@ def _attribute_reads(fn: types.FunctionType) -> Iterator[tuple[str, CodeRead]]:
     modules, classes and objects; of the standard library, only the values of
     :data:`_STATE_MODULES` and plain namespaces."""
     yield from _super_reads(fn)
+    yield from _getter_reads(fn)
     for code in _codes(fn.__code__):
         instructions = _instructions(code)
         assigned = _assigned_once(fn, code, instructions)
@@ -540,6 +543,75 @@ def _super_reads(fn: types.FunctionType) -> Iterator[tuple[str, CodeRead]]:
         if owner is not None and owner not in TORCH_BASES:
             namespace = _class_namespace(owner)
             yield "." + name, CodeRead(f"{owner.__qualname__}.{name} (read through super() by {fn.__qualname__})", namespace, name, namespace[name], "is")
+
+
+def _getter_reads(fn: types.FunctionType) -> Iterator[tuple[str, CodeRead]]:
+    """The torch settings ``fn``'s code reads by calling a getter without arguments
+    (``torch.get_num_threads()``, ``torch.get_float32_matmul_precision()``,
+    ``dist.is_initialized()``, ``dist.get_world_size()``; reached from a global through modules,
+    or imported by name), each compared by the value it returns (:data:`TORCH_GETTERS`): a branch
+    on one is baked into the trace as a flag is. Only getters of :func:`_torch_getter`, and only
+    their plain values (a tensor, a stream: not compared)."""
+    for code in _codes(fn.__code__):
+        instructions = _instructions(code)
+        for at, instruction in enumerate(instructions):
+            if instruction.opname != "LOAD_GLOBAL" or instruction.argval not in fn.__globals__:
+                continue
+            value, after, path = fn.__globals__[instruction.argval], at + 1, instruction.argval
+            while isinstance(value, types.ModuleType) and after < len(instructions) and instructions[after].opname in ("LOAD_ATTR", "LOAD_METHOD"):
+                value, path = vars(value).get(instructions[after].argval), f"{path}.{instructions[after].argval}"
+                after += 1
+            if _call_without_arguments(instructions, after) is None or not _torch_getter(value):
+                continue
+            now = TORCH_GETTERS[value]
+            if now is _RAISED or plain(now):
+                yield "", CodeRead(f"{path}() (a torch setting {fn.__qualname__} reads)", TORCH_GETTERS, value, now, "==")
+
+
+def _torch_getter(value: Any) -> bool:
+    """A function of torch's that reads a process-wide setting without touching a device: named
+    ``get_``, ``is_``, ``are_`` or ``has_`` in ``torch`` itself, ``torch.backends`` or
+    ``torch.distributed``. Not the settings the call's mode key holds already (the ``..._enabled``
+    modes: grad, inference, autocast, SDPA backends, deterministic algorithms; the default dtype),
+    which model code may switch inside its own forward, nor anything of a device module
+    (``torch.cuda.current_device()`` would initialise one) or of the compiler and tracers."""
+    name, module = getattr(value, "__name__", None), getattr(value, "__module__", None)
+    if not callable(value) or isinstance(value, type) or not isinstance(name, str) or not isinstance(module, str):
+        return False
+    if module != "torch" and not module.startswith(("torch.backends.", "torch.distributed.")):
+        return False
+    return name.startswith(("get_", "is_", "are_", "has_")) and not name.endswith("_enabled") and name != "get_default_dtype"
+
+
+class _Raised:
+    """What a getter that raised returns in :data:`TORCH_GETTERS` (``dist.get_rank()`` before the
+    process group exists): equal only to itself."""
+
+    def __repr__(self) -> str:
+        return "an exception"
+
+
+_RAISED = _Raised()
+
+
+class _TorchGetters(collections.abc.Mapping):
+    """The values of torch's setting getters, as a namespace the state check reads like a module's
+    globals: ``TORCH_GETTERS[torch.get_num_threads]`` calls it (:data:`_RAISED` when it raises)."""
+
+    def __getitem__(self, getter: Any) -> Any:
+        try:
+            return getter()
+        except Exception:  # noqa: BLE001 - a setting that cannot be read now: not the traced one
+            return _RAISED
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(())
+
+    def __len__(self) -> int:
+        return 0
+
+
+TORCH_GETTERS = _TorchGetters()
 
 
 TORCH_BASES = frozenset({object, torch.nn.Module})  # their attributes are torch's machinery, not model state (``super().__init__``)

@@ -6,6 +6,8 @@ lives outside the model's instance attributes (issue 13's promise, found wanting
 - Attributes the trace found absent: ``getattr(self, "more", 0)``, ``hasattr(self, "tail")``, then
   set; and an attribute set while traced, then deleted.
 - A method patched on the class (``nn.Linear.forward``, a model class's ``forward``).
+- torch's process-wide settings read through getters (``torch.get_num_threads()``, the matmul
+  precision, ``dist.is_initialized()``).
 - Hugging Face: ``GradientCheckpointingLayer.gradient_checkpointing`` (a class default) set on one
   layer of a stack whose layers are billed as copies of the first; ``loss_function`` replaced.
 
@@ -23,6 +25,7 @@ import types
 
 import pytest
 import torch
+from torch import get_float32_matmul_precision as float32_matmul_precision
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -332,6 +335,53 @@ def test_settings_read_through_a_module_or_a_class_guard_their_programs(backward
     finally:
         settings.EXTRA, Flags.FUSED, ThroughModulesAndClasses.WIDE, HELPER_REPEATS = False, False, False, 1
         settings.layers.extra = _helper_through_a_module
+
+
+class ThroughTorchSettings(nn.Module):
+    """Branches on torch's process-wide settings, read by calling their getters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.extra = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.fc(x)
+        if torch.get_num_threads() == 1:  # a single-threaded fallback path
+            h = self.extra(h)
+        if float32_matmul_precision() == "high":  # imported by name
+            h = self.extra(h)
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() >= 1:  # a parallel path
+            h = self.extra(h)
+        return h
+
+
+@pytest.mark.parametrize("backward", [False, True])
+def test_torch_settings_the_code_reads_through_getters_guard_their_programs(backward):
+    model = ThroughTorchSettings()
+    wrapper = fxflops.instrument(model, backward=backward)
+    threads, precision = torch.get_num_threads(), torch.get_float32_matmul_precision()
+    assert precision == "highest" and not torch.distributed.is_initialized()
+    steps = [
+        ("traced", lambda: None),
+        ("another number of threads", lambda: torch.set_num_threads(2 if threads == 1 else 1)),
+        ("threads back", lambda: torch.set_num_threads(threads)),
+        ("matmul precision high", lambda: torch.set_float32_matmul_precision("high")),
+        ("precision back", lambda: torch.set_float32_matmul_precision(precision)),
+        ("a process group", lambda: torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)),
+        ("process group destroyed", torch.distributed.destroy_process_group),
+    ]
+    try:
+        for label, change in steps:
+            change()
+            _check(wrapper, model, backward, label)
+        captures = wrapper.captures
+        _check(wrapper, model, backward, "again: no new program")
+        assert wrapper.captures == captures
+    finally:
+        torch.set_num_threads(threads)
+        torch.set_float32_matmul_precision(precision)
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
 
 
 @dataclasses.dataclass
