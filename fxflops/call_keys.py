@@ -2,7 +2,8 @@
 situation, ``fxflops/situation.py``), and the fast test that a call has a key seen before.
 
 :func:`argument_key` describes one argument as a hashable value: each tensor's type, dtype, device,
-``requires_grad``, rank and layout (:func:`layout_key`); the value of every Python scalar, string, enum, dtype or device;
+``requires_grad``, rank and layout (:func:`layout_key`) and its own Python attributes
+(:func:`attributes_key`); the value of every Python scalar, string, enum, dtype or device;
 containers by structure; other objects (a cache, a config passed in) by type and contents, their
 tensors as inputs (without sizes: those are symbols the binder reads, so one decode program serves
 every length of a key-value cache); functions and modules by identity. :class:`CallKeys` keys a
@@ -58,7 +59,7 @@ def _key(value: Any, shapes: bool, held: list[int] | None) -> Any:
     """``held``: None outside argument objects' inputs, else [values left, object depth]."""
     kind = type(value)
     if kind is torch.Tensor or isinstance(value, torch.Tensor):
-        key = (kind, value.dtype, value.device, value.requires_grad, value.dim(), layout_key(value))
+        key = (kind, value.dtype, value.device, value.requires_grad, value.dim(), layout_key(value), attributes_key(value))
         return key + (tuple(value.shape),) if shapes else key
     if kind in _EXACT_SCALARS or isinstance(value, SCALARS):
         if kind is int and held is not None and held[1] and not shapes:  # an object's integer: a symbol (capture/inputs.py)
@@ -82,7 +83,7 @@ def _key(value: Any, shapes: bool, held: list[int] | None) -> Any:
     for name, v in state.items():  # the common values inline (a cache holds many): as _key keys them
         t = type(v)
         if t is torch.Tensor and not deep:
-            items.append((name, (t, v.dtype, v.device, v.requires_grad, v.dim(), layout_key(v))))
+            items.append((name, (t, v.dtype, v.device, v.requires_grad, v.dim(), layout_key(v), attributes_key(v))))
         elif t is int and not deep:
             items.append((name, _HELD_INT))
         elif t is bool or t is type(None):
@@ -109,6 +110,15 @@ def layout_key(tensor: torch.Tensor) -> Any:
     order = tuple(sorted(range(tensor.dim()), key=lambda d: (-strides[d], d)))
     dense = tensor.numel() == 0 or sum((size - 1) * stride for size, stride in zip(tensor.shape, strides)) + 1 == tensor.numel()
     return bits + (order, dense)
+
+
+def attributes_key(tensor: torch.Tensor) -> Any:
+    """A tensor's own Python attributes (``x.packed = True``, set by a data pipeline, read by model
+    code with ``getattr(x, "packed", False)``): None when it has none (the common case), else each
+    name with its :func:`value_key` (tensors by shape). The trace's stand-in for the tensor carries
+    the plain ones (``capture/symbols.fake_like``)."""
+    state = tensor.__dict__
+    return tuple([(name, _key(v, True, None)) for name, v in state.items()]) if state else None
 
 
 def described_layout(key: Any) -> str:
@@ -363,6 +373,12 @@ class _Tests:
             else:
                 self.scope["_layout"] = layout_key
                 failing.append(f"_layout({x}) != {self._constant(layout)}")
+            attributes = attributes_key(value)
+            if attributes is None:  # the common case: no Python attributes
+                failing.append(f"{x}.__dict__")
+            else:
+                self.scope["_attributes"] = attributes_key
+                failing.append(f"_attributes({x}) != {self._constant(attributes)}")
             if shapes:
                 failing.append(f"{x}.shape != {self._constant(value.shape)}")
             self._fail_if(" or ".join(failing))

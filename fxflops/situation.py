@@ -132,6 +132,8 @@ def _described(key: Any) -> str:
     kind = key[0]
     if isinstance(kind, type) and issubclass(kind, torch.Tensor):
         layout = "" if len(key) < 6 else f", {described_layout(key[5])}"
+        if len(key) > 6 and key[6] is not None:
+            layout += f", Python attributes {', '.join(name for name, _ in key[6])}"
         return f"a {kind.__name__} ({key[1]}, {key[2]}, requires_grad={key[3]}, rank {key[4]}{layout})"
     if kind is type(None):
         return "None"

@@ -6,6 +6,7 @@ lives outside the model's instance attributes (issue 13's promise, found wanting
 - Attributes the trace found absent: ``getattr(self, "more", 0)``, ``hasattr(self, "tail")``, then
   set; and an attribute set while traced, then deleted.
 - A method patched on the class (``nn.Linear.forward``, a model class's ``forward``).
+- Python attributes a data pipeline sets on input tensors (``getattr(x, "packed", False)``).
 - torch's process-wide settings read through getters (``torch.get_num_threads()``, the matmul
   precision, ``dist.is_initialized()``).
 - Hugging Face: ``GradientCheckpointingLayer.gradient_checkpointing`` (a class default) set on one
@@ -382,6 +383,55 @@ def test_torch_settings_the_code_reads_through_getters_guard_their_programs(back
         torch.set_float32_matmul_precision(precision)
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+
+
+class ReadsInputAttributes(nn.Module):
+    """Reads Python attributes a data pipeline set on its input tensors."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.extra = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x, more=()):
+        h = self.fc(x)
+        if getattr(x, "packed", False):
+            h = self.extra(h)
+        for _ in range(getattr(x, "repeats", 0)):
+            h = self.extra(h)
+        for m in more:
+            if getattr(m, "packed", False):
+                h = h + self.extra(m)
+        return h
+
+
+def _with_attributes(tensor, **attributes):
+    tensor.__dict__.update(attributes)
+    return tensor
+
+
+@pytest.mark.parametrize("backward", [False, True])
+@pytest.mark.parametrize("first", ["plain", "with attributes"])
+def test_python_attributes_of_input_tensors_are_part_of_the_call(backward, first):
+    model = ReadsInputAttributes()
+    wrapper = fxflops.instrument(model, backward=backward)
+    x = lambda **a: _with_attributes(torch.randn(5, 8), **a)  # noqa: E731
+    calls = [
+        ("no attributes", lambda: (x(),)),
+        ("a flag set", lambda: (x(packed=True),)),
+        ("a flag cleared", lambda: (x(packed=False),)),
+        ("a count", lambda: (x(repeats=2),)),
+        ("another count", lambda: (x(repeats=3),)),
+        ("on a tensor in a list", lambda: (x(), [x(packed=True)])),
+        ("not on it", lambda: (x(), [x()])),
+        ("a tensor attribute: measured", lambda: (x(packed=torch.ones(())),)),
+        ("an object attribute: measured", lambda: (x(packed=types.SimpleNamespace()),)),
+        ("no attributes again", lambda: (x(),)),
+    ]
+    if first != "plain":
+        calls.insert(0, calls.pop(3))
+    for label, args in calls:
+        assert_counted_call(wrapper, model, args(), backward, label)
+    assert wrapper.measured  # the calls whose inputs hold more than plain values
 
 
 @dataclasses.dataclass

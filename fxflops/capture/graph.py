@@ -133,6 +133,15 @@ def _access_paths_from_the_root() -> Iterator[None]:
         yield
 
 
+def _as_input(traced: Any, fake: Any) -> Any:
+    """The traced input standing for the call's tensor that ``fake`` fakes, with that tensor's plain
+    Python attributes (``x.packed = True``: model code may read them; ``symbols.fake_like``)."""
+    attributes = getattr(fake, "fxflops_attributes", None) if isinstance(fake, torch.Tensor) else None
+    if attributes:
+        traced.__dict__.update(attributes)
+    return traced
+
+
 def trace_graph(
     model: torch.nn.Module,
     mode: FakeTensorMode,
@@ -187,10 +196,10 @@ def trace_graph(
     def run(*flat: torch.Tensor) -> list[torch.Tensor]:
         call_leaves = list(leaves)
         for i, tensor in zip(slots, flat):
-            call_leaves[i] = tensor.clone() if id(leaves[i]) in non_leaf else tensor
+            call_leaves[i] = _as_input(tensor.clone() if id(leaves[i]) in non_leaf else tensor, leaves[i])
         call_args, call_kwargs = pytree.tree_unflatten(call_leaves, tree)
         for (holder, steps, fake), tensor in zip(held, flat[len(slots) : len(slots) + len(held)]):
-            put(holder, steps, tensor.clone() if id(fake) in non_leaf else tensor)
+            put(holder, steps, _as_input(tensor.clone() if id(fake) in non_leaf else tensor, fake))
         given = len(slots) + len(held) + len(state)
         for name, symint in zip(derived_names, flat[given:]):
             derived[name] = TracedSize(symint, call_leaves[slots[source_at[name]]])

@@ -184,11 +184,17 @@ def resolve_dims(
 def refuse_untraceable(tensors: dict[Path, torch.Tensor]) -> None:
     """Raise :class:`CaptureError` naming the first input a fake dense tensor cannot stand for: its
     layout or a view bit changes which ops run and what they compute (a sparse input's ``to_dense()``,
-    a conjugate view's ``resolve_conj()``), and a fake has neither."""
+    a conjugate view's ``resolve_conj()``), and a fake has neither. An input carrying Python
+    attributes that hold more than plain values (a fake carries plain ones, ``symbols.fake_like``) is
+    refused at the root module (``module=""``): the model's own code is measured per call there."""
     for path, tensor in tensors.items():
         reason = _untraceable(tensor)
         if reason is not None:
             raise CaptureError(f"input {path_label(path)!r} {reason}: fxflops traces dense strided tensors only")
+        held = [name for name, value in tensor.__dict__.items() if not _plain_attribute(value)]
+        if held:  # the model's own code is measured instead (``fxflops/islands.py``)
+            names = ", ".join(map(repr, held))
+            raise CaptureError(f"input {path_label(path)!r} carries Python attributes a traced stand-in cannot hold ({names}): only plain values", module="")
 
 
 def _untraceable(tensor: torch.Tensor) -> str | None:
@@ -202,6 +208,14 @@ def _untraceable(tensor: torch.Tensor) -> str | None:
     if tensor.is_neg():
         return "is a negative view (neg bit set; resolve_neg() makes it plain)"
     return None
+
+
+def _plain_attribute(value: Any) -> bool:
+    """A value a tensor's Python attribute may hold for the trace's stand-in to carry it
+    (``fake_like``): a number, string, flag, dtype, device, enum, or a tuple of them."""
+    if isinstance(value, tuple):
+        return all(map(_plain_attribute, value))
+    return isinstance(value, (bool, int, float, str, type(None), torch.dtype, torch.device, enum.Enum))
 
 
 def is_metadata(tensor: torch.Tensor) -> bool:

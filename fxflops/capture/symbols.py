@@ -74,8 +74,8 @@ def symbolic_inputs(
 
 def fake_like(tensor: torch.Tensor, sizes: list[Any]) -> torch.Tensor:
     """A tensor (a fake, in the caller's mode) of ``sizes`` that answers every question a model may
-    ask of ``tensor`` as ``tensor`` does: dtype, device, ``requires_grad``, inference mode, and its
-    memory layout (:func:`strides_like`: ``is_contiguous()``, ``stride()``, channels-last). Kinds of
+    ask of ``tensor`` as ``tensor`` does: dtype, device, ``requires_grad``, inference mode, its plain
+    Python attributes, and its memory layout (:func:`strides_like`: ``is_contiguous()``, ``stride()``, channels-last). Kinds of
     tensor no such fake stands for are refused before (``inputs.refuse_untraceable``)."""
     strides = strides_like(tensor, sizes)
     with torch.inference_mode(tensor.is_inference()):
@@ -83,6 +83,8 @@ def fake_like(tensor: torch.Tensor, sizes: list[Any]) -> torch.Tensor:
             fake = torch.empty(sizes, dtype=tensor.dtype, device=tensor.device)
         else:
             fake = torch.empty_strided(sizes, strides, dtype=tensor.dtype, device=tensor.device)
+    if tensor.__dict__:  # its plain Python attributes (``x.packed = True``), put on the traced input (``graph.py``)
+        fake.fxflops_attributes = dict(tensor.__dict__)
     return fake.requires_grad_(True) if tensor.requires_grad else fake
 
 
