@@ -8,7 +8,10 @@ a training call, at 4 and 24 layers; the cost of a call
 refused after its layout's first failed capture; then capture time of ``fxflops.trace`` and
 ``torch.export`` (non-strict, dynamic batch and seq) at 2, 8 and 24 layers. Targets: counting <= 5 us
 per LM call with call identity (issue 13; <= 20 us in issue 2), >= 500x cheaper than FlopCounterMode's
-added time, a refused call <= 50 us, capture <= 0.15 s per transformer layer.
+added time, a refused call <= 50 us, capture <= 0.15 s per transformer layer. Counting is timed
+in a loop (warm) and once right after each forward (in situ: the forward leaves the processor's
+caches holding its own code and data, and the first Python after it runs several times slower; an
+empty call timed so is printed beside it).
 """
 
 from __future__ import annotations
@@ -51,9 +54,12 @@ def counting_overhead(rounds: int, layers: int, batch: int, seq: int) -> dict[st
 
         for fn in (plain, under_flopcounter, count):
             fn()  # warm-up
-        samples: dict[str, list[float]] = {"plain": [], "flopcounter": [], "fxflops": []}
+        samples: dict[str, list[float]] = {"plain": [], "flopcounter": [], "fxflops": [], "in_situ": [], "empty_in_situ": []}
         for _ in range(rounds):
             samples["plain"].append(_seconds(plain))
+            samples["in_situ"].append(_seconds(count))  # once, right after a forward: the caches a real step leaves
+            plain()
+            samples["empty_in_situ"].append(_seconds(lambda: None))
             samples["flopcounter"].append(_seconds(under_flopcounter))
             # one counting call is ~microseconds: time 100 back-to-back and divide
             samples["fxflops"].append(_seconds(lambda: [count() for _ in range(100)]) / 100)
@@ -161,6 +167,10 @@ def main() -> None:
     print(f"  plain forward                 {med['plain'] * us:12.1f} us")
     print(f"  forward under FlopCounterMode {med['flopcounter'] * us:12.1f} us  (+{med['flopcounter_added'] * us:.1f} us added)")
     print(f"  fxflops counting per call     {med['fxflops'] * us:12.2f} us  (target <= 20 us)")
+    print(
+        f"  fxflops counting right after a forward {med['in_situ'] * us:8.2f} us  "
+        f"(in situ; an empty call timed so: {med['empty_in_situ'] * us:.2f} us)"
+    )
     print(f"  FlopCounterMode added / fxflops counting = {med['flopcounter_added'] / med['fxflops']:,.0f}x  (target >= 500x)")
     print(f"  fxflops counting / plain forward        = {100 * med['fxflops'] / med['plain']:.4f} %")
 
