@@ -122,9 +122,10 @@ def _state_mismatch(state: ModelState) -> str:
 
 
 def _size_class(args: tuple, kwargs: dict) -> tuple:
-    """Every tensor dim as 0, 1 or 2 (= more): sizes that can make a trace take another path."""
+    """Every tensor dim as 0, 1 or 2 (= more): sizes that can make a trace take another path (a
+    nested tensor, which has no plain sizes: its rank)."""
     return tuple(
-        tuple(min(int(d), 2) for d in leaf.shape)
+        ("nested", leaf.dim()) if leaf.is_nested else tuple(min(int(d), 2) for d in leaf.shape)
         for leaf in pytree.tree_leaves((args, kwargs))
         if isinstance(leaf, torch.Tensor)
     )

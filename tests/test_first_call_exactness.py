@@ -350,11 +350,28 @@ class Plain(nn.Module):
 
 
 @pytest.mark.parametrize("kind", list(REFUSED))
-def test_an_input_kind_a_dense_fake_cannot_stand_for_is_refused_naming_it(kind):
+def test_an_input_kind_a_dense_fake_cannot_stand_for_is_measured_or_refused_naming_it(kind):
+    """No trace takes it (``trace`` refuses, naming the input); the wrapper measures the model's own
+    code on such calls instead (exact where fxflops has rules for the ops that run; the sparse
+    matmul of a COO input has none, and the report says its count is a lower bound), and with
+    ``measure=False`` refuses them as uncounted, never a wrong number. A nested tensor is refused."""
     make, reason = REFUSED[kind]
     with pytest.raises(fxflops.CaptureError, match=f"input 'x' .*{reason}"):
         fxflops.trace(Plain(), (make(),))
-    wrapper = fxflops.instrument(Plain())
-    with pytest.warns(UserWarning, match="not counted"), torch.no_grad():
+    if kind.startswith("nested"):  # no sizes to measure by: refused
+        wrapper = fxflops.instrument(Plain())
+        with pytest.warns(UserWarning, match=f"not counted: input 'x' .*{reason}"), torch.no_grad():
+            wrapper(make())
+        assert (wrapper.flops.total(), wrapper.flops.uncounted) == (0, 1)
+        return
+    model = Plain()
+    wrapper = fxflops.instrument(model)
+    with torch.no_grad():
         wrapper(make())
-    assert (wrapper.flops.total(), wrapper.flops.uncounted) == (0, 1)  # refused, never a wrong number
+    assert wrapper.flops.uncounted == 0
+    assert wrapper.flops.total() == flop_counter_call(model, (make(),), {}, backward=False)
+    assert reason in wrapper.measured[""]
+    refusing = fxflops.instrument(Plain(), measure=False)
+    with pytest.warns(UserWarning, match="not counted"), torch.no_grad():
+        refusing(make())
+    assert (refusing.flops.total(), refusing.flops.uncounted) == (0, 1)

@@ -184,13 +184,15 @@ def resolve_dims(
 def refuse_untraceable(tensors: dict[Path, torch.Tensor]) -> None:
     """Raise :class:`CaptureError` naming the first input a fake dense tensor cannot stand for: its
     layout or a view bit changes which ops run and what they compute (a sparse input's ``to_dense()``,
-    a conjugate view's ``resolve_conj()``), and a fake has neither. An input carrying Python
-    attributes that hold more than plain values (a fake carries plain ones, ``symbols.fake_like``) is
-    refused at the root module (``module=""``): the model's own code is measured per call there."""
+    a conjugate view's ``resolve_conj()``), and a fake has neither; so does an input carrying Python
+    attributes that hold more than plain values (a fake carries plain ones, ``symbols.fake_like``).
+    Each is refused at the root module (``module=""``): the wrapper measures the model's own code
+    on such calls (``fxflops/islands.py``). Not a nested tensor: it has no sizes to measure by."""
     for path, tensor in tensors.items():
         reason = _untraceable(tensor)
-        if reason is not None:
-            raise CaptureError(f"input {path_label(path)!r} {reason}: fxflops traces dense strided tensors only")
+        if reason is not None:  # measured at the root instead, but a nested tensor, which has no sizes to measure by
+            where = None if tensor.is_nested else ""
+            raise CaptureError(f"input {path_label(path)!r} {reason}: fxflops traces dense strided tensors only", module=where)
         held = [name for name, value in tensor.__dict__.items() if not _plain_attribute(value)]
         if held:  # the model's own code is measured instead (``fxflops/islands.py``)
             names = ", ".join(map(repr, held))
