@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from fxflops.capture.inputs import MAX_HELD_DEPTH, held_state
+from fxflops.capture.inputs import MAX_HELD_DEPTH, PLAIN_TENSORS, held_state, own_attributes
 from fxflops.errors import InputError
 
 SCALARS = (  # compared by value
@@ -117,7 +117,7 @@ def attributes_key(tensor: torch.Tensor) -> Any:
     code with ``getattr(x, "packed", False)``): None when it has none (the common case), else each
     name with its :func:`value_key` (tensors by shape). The trace's stand-in for the tensor carries
     the plain ones (``capture/symbols.fake_like``)."""
-    state = tensor.__dict__
+    state = own_attributes(tensor)
     return tuple([(name, _key(v, True, None)) for name, v in state.items()]) if state else None
 
 
@@ -374,11 +374,11 @@ class _Tests:
                 self.scope["_layout"] = layout_key
                 failing.append(f"_layout({x}) != {self._constant(layout)}")
             attributes = attributes_key(value)
-            if attributes is None:  # the common case: no Python attributes
-                failing.append(f"{x}.__dict__")
-            else:
+            if attributes is not None:
                 self.scope["_attributes"] = attributes_key
                 failing.append(f"_attributes({x}) != {self._constant(attributes)}")
+            elif type(value) in PLAIN_TENSORS:  # the common case: no Python attributes (a subclass's are its own)
+                failing.append(f"{x}.__dict__")
             if shapes:
                 failing.append(f"{x}.shape != {self._constant(value.shape)}")
             self._fail_if(" or ".join(failing))

@@ -434,6 +434,21 @@ def test_python_attributes_of_input_tensors_are_part_of_the_call(backward, first
     assert wrapper.measured  # the calls whose inputs hold more than plain values
 
 
+def test_a_tensor_subclass_s_own_attributes_are_not_the_call_s():
+    """A FakeTensor's ``__dict__`` holds its mode: its inputs are traced as any tensor is (one
+    program for every size), not measured as if a user had put an object on them."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    model = ReadsInputAttributes()
+    wrapper = fxflops.instrument(model)
+    with FakeTensorMode(allow_non_fake_inputs=True), torch.no_grad():
+        for rows in (4, 5, 6):
+            x = torch.randn(rows, 8)
+            assert x.__dict__  # the subclass's own machinery
+            assert_counted_call(wrapper, model, (x,), False, rows)
+    assert wrapper.captures == 1 and not wrapper.measured
+
+
 @dataclasses.dataclass
 class _RunConfig:
     extra: bool = False

@@ -13,6 +13,7 @@ from __future__ import annotations
 import enum
 import inspect
 import types
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -193,7 +194,7 @@ def refuse_untraceable(tensors: dict[Path, torch.Tensor]) -> None:
         if reason is not None:  # measured at the root instead, but a nested tensor, which has no sizes to measure by
             where = None if tensor.is_nested else ""
             raise CaptureError(f"input {path_label(path)!r} {reason}: fxflops traces dense strided tensors only", module=where)
-        held = [name for name, value in tensor.__dict__.items() if not _plain_attribute(value)]
+        held = [name for name, value in own_attributes(tensor).items() if not _plain_attribute(value)]
         if held:  # the model's own code is measured instead (``fxflops/islands.py``)
             names = ", ".join(map(repr, held))
             raise CaptureError(f"input {path_label(path)!r} carries Python attributes a traced stand-in cannot hold ({names}): only plain values", module="")
@@ -210,6 +211,18 @@ def _untraceable(tensor: torch.Tensor) -> str | None:
     if tensor.is_neg():
         return "is a negative view (neg bit set; resolve_neg() makes it plain)"
     return None
+
+
+def own_attributes(tensor: torch.Tensor) -> Mapping[str, Any]:
+    """The Python attributes a user or a data pipeline set on a tensor (``x.packed = True``): its
+    ``__dict__`` for a plain tensor; none for a subclass, whose ``__dict__`` holds its own machinery
+    (a FakeTensor's mode), nor for a parameter passed in, whose attributes are a training
+    framework's bookkeeping (Megatron's ``main_grad``)."""
+    return tensor.__dict__ if type(tensor) in PLAIN_TENSORS else _NONE
+
+
+PLAIN_TENSORS = (torch.Tensor,)
+_NONE: Mapping[str, Any] = types.MappingProxyType({})
 
 
 def _plain_attribute(value: Any) -> bool:

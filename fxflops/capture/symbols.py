@@ -18,7 +18,7 @@ from torch._dynamo.source import ConstantSource
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import DimDynamic
 
-from fxflops.capture.inputs import DimSpec, Path, held_root, path_label, reach
+from fxflops.capture.inputs import DimSpec, Path, held_root, own_attributes, path_label, reach
 from fxflops.capture.shape_env import BlamingShapeEnv, format_location
 from fxflops.errors import InputError, PinnedSymbolError
 
@@ -83,8 +83,9 @@ def fake_like(tensor: torch.Tensor, sizes: list[Any]) -> torch.Tensor:
             fake = torch.empty(sizes, dtype=tensor.dtype, device=tensor.device)
         else:
             fake = torch.empty_strided(sizes, strides, dtype=tensor.dtype, device=tensor.device)
-    if tensor.__dict__:  # its plain Python attributes (``x.packed = True``), put on the traced input (``graph.py``)
-        fake.fxflops_attributes = dict(tensor.__dict__)
+    attributes = own_attributes(tensor)
+    if attributes:  # its plain Python attributes (``x.packed = True``), put on the traced input (``graph.py``)
+        fake.fxflops_attributes = dict(attributes)
     return fake.requires_grad_(True) if tensor.requires_grad else fake
 
 
