@@ -44,7 +44,8 @@ library but for ``os`` (``os.environ``; its functions are not walked) and plain 
 (``types.SimpleNamespace``, ``argparse.Namespace``). A tensor the code reads from outside the model
 (``x @ TABLE``) is compared by identity and shape (:class:`SameTensor`). A torch setting the code
 reads by calling a getter without arguments (``torch.get_num_threads()``,
-``dist.is_initialized()``) is compared by the value the getter returns now (:func:`_getter_reads`). What the code reads
+``dist.is_initialized()``) or as a flag of ``torch.backends`` (``torch.backends.cudnn.deterministic``)
+is compared by the value it has now (:func:`_getter_reads`). What the code reads
 through ``super()`` (``super().forward(x)``) is compared by identity on the base class that defines
 it, torch's classes too (:func:`_super_reads`). Not seen: an object reached
 through a call's result other than a getter's, or through a computed key.
@@ -546,26 +547,61 @@ def _super_reads(fn: types.FunctionType) -> Iterator[tuple[str, CodeRead]]:
 
 
 def _getter_reads(fn: types.FunctionType) -> Iterator[tuple[str, CodeRead]]:
-    """The torch settings ``fn``'s code reads by calling a getter without arguments
+    """The torch settings ``fn``'s code reads: by calling a getter without arguments
     (``torch.get_num_threads()``, ``torch.get_float32_matmul_precision()``,
     ``dist.is_initialized()``, ``dist.get_world_size()``; reached from a global through modules,
-    or imported by name), each compared by the value it returns (:data:`TORCH_GETTERS`): a branch
-    on one is baked into the trace as a flag is. Only getters of :func:`_torch_getter`, and only
-    their plain values (a tensor, a stream: not compared)."""
+    or imported by name), or as a flag of ``torch.backends`` (``torch.backends.cudnn.deterministic``,
+    ``torch.backends.cuda.matmul.allow_tf32``: properties that read the setting); each compared by
+    the value it has per call (:data:`TORCH_GETTERS`): a branch on one is baked into the trace as a
+    flag is. Only getters of :func:`_torch_getter`, and only plain values (a tensor, a stream: not
+    compared)."""
     for code in _codes(fn.__code__):
         instructions = _instructions(code)
         for at, instruction in enumerate(instructions):
             if instruction.opname != "LOAD_GLOBAL" or instruction.argval not in fn.__globals__:
                 continue
-            value, after, path = fn.__globals__[instruction.argval], at + 1, instruction.argval
-            while isinstance(value, types.ModuleType) and after < len(instructions) and instructions[after].opname in ("LOAD_ATTR", "LOAD_METHOD"):
-                value, path = vars(value).get(instructions[after].argval), f"{path}.{instructions[after].argval}"
-                after += 1
-            if _call_without_arguments(instructions, after) is None or not _torch_getter(value):
+            value, after, path, holder = fn.__globals__[instruction.argval], at + 1, instruction.argval, None
+            while after < len(instructions) and instructions[after].opname in ("LOAD_ATTR", "LOAD_METHOD") and _setting_holder(value):
+                holder, name = value, instructions[after].argval
+                value, path, after = _setting(holder, name), f"{path}.{name}", after + 1
+            if _call_without_arguments(instructions, after) is not None:
+                if not _torch_getter(value):
+                    continue
+                key, label = value, f"{path}()"
+            elif holder is not None and _backends(holder) and isinstance(value, _FLAGS):
+                key, label = (holder, name), path
+            else:
                 continue
-            now = TORCH_GETTERS[value]
+            now = TORCH_GETTERS[key]
             if now is _RAISED or plain(now):
-                yield "", CodeRead(f"{path}() (a torch setting {fn.__qualname__} reads)", TORCH_GETTERS, value, now, "==")
+                yield "", CodeRead(f"{label} (a torch setting {fn.__qualname__} reads)", TORCH_GETTERS, key, now, "==")
+
+
+_FLAGS = (bool, int, float, str)
+
+
+def _setting_holder(value: Any) -> bool:
+    """A module (whose attributes lead to a getter or a flag), or a flag holder of ``torch.backends``
+    (``torch.backends.cuda.matmul``)."""
+    return isinstance(value, types.ModuleType) or _backends(value)
+
+
+def _backends(holder: Any) -> bool:
+    """Whether ``holder`` is a module of ``torch.backends`` or an object of one's classes: its
+    attributes are process-wide settings (properties reading them, ``ContextProp``)."""
+    name = holder.__name__ if isinstance(holder, types.ModuleType) else type(holder).__module__
+    return isinstance(name, str) and name.startswith("torch.backends")
+
+
+def _setting(holder: Any, name: str) -> Any:
+    """``holder.name`` as the code reads it: a module's global, or a ``torch.backends`` property
+    (read; None where reading raises)."""
+    if not _backends(holder):
+        return vars(holder).get(name)
+    try:
+        return getattr(holder, name)
+    except Exception:  # noqa: BLE001 - a setting this build cannot read: not compared
+        return None
 
 
 def _torch_getter(value: Any) -> bool:
@@ -595,12 +631,13 @@ _RAISED = _Raised()
 
 
 class _TorchGetters(collections.abc.Mapping):
-    """The values of torch's setting getters, as a namespace the state check reads like a module's
-    globals: ``TORCH_GETTERS[torch.get_num_threads]`` calls it (:data:`_RAISED` when it raises)."""
+    """The values of torch's settings, as a namespace the state check reads like a module's globals:
+    ``TORCH_GETTERS[torch.get_num_threads]`` calls the getter, ``TORCH_GETTERS[(cudnn,
+    "deterministic")]`` reads the flag (:data:`_RAISED` when either raises)."""
 
     def __getitem__(self, getter: Any) -> Any:
         try:
-            return getter()
+            return getattr(*getter) if type(getter) is tuple else getter()
         except Exception:  # noqa: BLE001 - a setting that cannot be read now: not the traced one
             return _RAISED
 

@@ -8,7 +8,7 @@ lives outside the model's instance attributes (issue 13's promise, found wanting
 - A method patched on the class (``nn.Linear.forward``, a model class's ``forward``).
 - Python attributes a data pipeline sets on input tensors (``getattr(x, "packed", False)``).
 - torch's process-wide settings read through getters (``torch.get_num_threads()``, the matmul
-  precision, ``dist.is_initialized()``).
+  precision, ``dist.is_initialized()``) and as flags of ``torch.backends``.
 - Hugging Face: ``GradientCheckpointingLayer.gradient_checkpointing`` (a class default) set on one
   layer of a stack whose layers are billed as copies of the first; ``loss_function`` replaced.
 
@@ -26,6 +26,7 @@ import types
 
 import pytest
 import torch
+import torch.backends.cuda as cuda_backend
 from torch import get_float32_matmul_precision as float32_matmul_precision
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -353,6 +354,10 @@ class ThroughTorchSettings(nn.Module):
             h = self.extra(h)
         if torch.distributed.is_initialized() and torch.distributed.get_world_size() >= 1:  # a parallel path
             h = self.extra(h)
+        if torch.backends.cudnn.deterministic:  # a flag of torch.backends (a property reading the setting)
+            h = self.extra(h)
+        if cuda_backend.matmul.allow_tf32:  # through an imported module and a flag holder object
+            h = self.extra(h)
         return h
 
 
@@ -361,7 +366,8 @@ def test_torch_settings_the_code_reads_through_getters_guard_their_programs(back
     model = ThroughTorchSettings()
     wrapper = fxflops.instrument(model, backward=backward)
     threads, precision = torch.get_num_threads(), torch.get_float32_matmul_precision()
-    assert precision == "highest" and not torch.distributed.is_initialized()
+    deterministic, tf32 = torch.backends.cudnn.deterministic, torch.backends.cuda.matmul.allow_tf32
+    assert precision == "highest" and not torch.distributed.is_initialized() and not deterministic and not tf32
     steps = [
         ("traced", lambda: None),
         ("another number of threads", lambda: torch.set_num_threads(2 if threads == 1 else 1)),
@@ -370,6 +376,9 @@ def test_torch_settings_the_code_reads_through_getters_guard_their_programs(back
         ("precision back", lambda: torch.set_float32_matmul_precision(precision)),
         ("a process group", lambda: torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)),
         ("process group destroyed", torch.distributed.destroy_process_group),
+        ("cuDNN deterministic", lambda: setattr(torch.backends.cudnn, "deterministic", True)),
+        ("TF32 matmuls allowed", lambda: setattr(torch.backends.cuda.matmul, "allow_tf32", True)),
+        ("both back", lambda: (setattr(torch.backends.cudnn, "deterministic", False), setattr(torch.backends.cuda.matmul, "allow_tf32", False))),
     ]
     try:
         for label, change in steps:
@@ -381,6 +390,7 @@ def test_torch_settings_the_code_reads_through_getters_guard_their_programs(back
     finally:
         torch.set_num_threads(threads)
         torch.set_float32_matmul_precision(precision)
+        torch.backends.cudnn.deterministic, torch.backends.cuda.matmul.allow_tf32 = deterministic, tf32
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
 
