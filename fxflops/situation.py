@@ -55,7 +55,7 @@ from fxflops.analysis.paths import inside, moved
 from fxflops.call_keys import SCALARS, described_layout, value_key
 from fxflops.capture.reads import Reads, module_at, named_modules
 from fxflops.errors import InputError
-from fxflops.situation_code import TORCH_BASES, CodeRead, SamePartial, code_reads, copied, importable, plain
+from fxflops.situation_code import MAX_COMPARED, TORCH_BASES, CodeRead, SamePartial, code_reads, copied, importable, plain
 
 
 def _autocast_key() -> tuple:
@@ -368,7 +368,13 @@ class ModelState:
         for k, (owner, names) in enumerate(absent.values()):  # one test per object: its class, its names at once
             scope[f"_o{k}"], scope[f"_t{k}"], scope[f"_a{k}"], scope[f"_n{k}"] = owner, type(owner), vars(owner).keys(), frozenset(names)
             tests.append(f"type(_o{k}) is _t{k} and _a{k}.isdisjoint(_n{k})")
-        self.code = code if code is not None else code_reads(self.model, self.called, self.functions)[0]
+        if code is None:  # a copy's or a loaded program's own objects; the plain values as traced
+            traced = self.__dict__.pop("_traced_code_values", {})
+            code = [
+                dataclasses.replace(read, expected=traced[read.label]) if read.label in traced else read
+                for read in code_reads(self.model, self.called, self.functions)[0]
+            ]
+        self.code = code
         tests += _code_tests(self.code, scope)
         parameters = dict(self.model.named_parameters())
         frozen = tuple(parameters[n] for n, wanted in self.requires_grad.items() if not wanted)
@@ -504,14 +510,26 @@ class ModelState:
         ]
         functions = [f for f in self.functions if importable(f)]  # a lambda argument's reads are not saved
         memos = [(cache if importable(cache) else None, empty) for cache, empty in self.memos]  # None: never matches
+        # a plain value the code read (a flag, a number, a torch setting) as traced: a copy or a load made
+        # after it changed must not take the new value as the traced one (identities are taken again)
+        traced = {read.label: read.expected for read in self.code if _saved_as_traced(read)}
         return {
             "model": self.model, "guards": guards, "called": self.called, "functions": functions, "requires_grad": self.requires_grad,
-            "memos": memos,
+            "memos": memos, "_traced_code_values": traced,
         }
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update({"functions": [], "memos": [], **state})
         self._bind()  # the copy's own objects: identities do not survive a copy
+
+
+def _saved_as_traced(read: CodeRead) -> bool:
+    """Whether a code read's expected value is kept as traced by a copy or a saved program: plain
+    values compared by value (small containers of them: a copy), and flags and None (compared by
+    identity, which they keep)."""
+    if read.test == "is":
+        return isinstance(read.expected, (bool, type(None)))
+    return plain(read.expected, MAX_COMPARED)
 
 
 def _code_tests(reads: list[CodeRead], scope: dict[str, Any]) -> list[str]:

@@ -7,6 +7,7 @@ lives outside the model's instance attributes (issue 13's promise, found wanting
   set; and an attribute set while traced, then deleted.
 - A method patched on the class (``nn.Linear.forward``, a model class's ``forward``).
 - Python attributes a data pipeline sets on input tensors (``getattr(x, "packed", False)``).
+- A copy or a saved program made after such a value changed keeps the traced value.
 - torch's process-wide settings read through getters (``torch.get_num_threads()``, the matmul
   precision, ``dist.is_initialized()``) and as flags of ``torch.backends``.
 - Hugging Face: ``GradientCheckpointingLayer.gradient_checkpointing`` (a class default) set on one
@@ -20,7 +21,9 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import io
 import os
+import pickle
 import sys
 import types
 
@@ -393,6 +396,46 @@ def test_torch_settings_the_code_reads_through_getters_guard_their_programs(back
         torch.backends.cudnn.deterministic, torch.backends.cuda.matmul.allow_tf32 = deterministic, tf32
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+
+
+def _round_trip(program, how: str):
+    if how == "deepcopy":
+        return copy.deepcopy(program)
+    if how == "pickle":
+        return pickle.loads(pickle.dumps(program))
+    buffer = io.BytesIO()
+    torch.save(program, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle", "torch.save"])
+def test_a_copy_or_load_made_after_a_setting_changed_keeps_the_traced_value(how):
+    """A copied or loaded program finds the objects its code reads again (identities do not survive
+    a copy), but a plain value it read (a module's flag, a torch setting) is the traced one: a copy
+    made after the value changed refuses the calls it no longer fits, never takes the new value as
+    its own."""
+    x = torch.randn(5, 8)
+    threads = torch.get_num_threads()
+    model = ThroughTorchSettings()
+    program = fxflops.trace(model, (x,))
+    other = ThroughModulesAndClasses()
+    traced = fxflops.trace(other, (x,))
+    try:
+        torch.set_num_threads(2 if threads == 1 else 1)
+        settings.EXTRA = True
+        copies = _round_trip(program, how), _round_trip(traced, how)
+        with pytest.raises(fxflops.GuardError, match=r"torch.get_num_threads\(\)"):
+            copies[0].count(x)
+        with pytest.raises(fxflops.GuardError, match="EXTRA"):
+            copies[1].count(x)
+        torch.set_num_threads(threads)
+        settings.EXTRA = False
+        assert copies[0].count(x) == flop_counter_call(model, (x,), {}, backward=False)
+        assert copies[1].count(x) == flop_counter_call(other, (x,), {}, backward=False)
+    finally:
+        torch.set_num_threads(threads)
+        settings.EXTRA = False
 
 
 class ReadsInputAttributes(nn.Module):
