@@ -337,9 +337,10 @@ class ModelState:
         self.memos = list(reads.memos.values())  # lru caches whose work the trace did: (cache, empty then)
         self._bind(code)
 
-    def _bind(self, code: list[CodeRead] | None = None) -> None:
+    def _bind(self, code: list[CodeRead] | None = None, traced: dict[str, Any] | None = None) -> None:
         """Generate the per-call check against this model's objects and take its structure (``code``:
-        the code reads, found again when not given: a copy's or a loaded program's own objects)."""
+        the code reads, found again when not given: a copy's or a loaded program's own objects, with
+        the plain values of ``traced``, by label, as they were traced)."""
         STRUCTURE.track(self.model)
         scope: dict[str, Any] = {"_any": torch._C._any_requires_grad, "_key": value_key}
         tests = []
@@ -369,7 +370,7 @@ class ModelState:
             scope[f"_o{k}"], scope[f"_t{k}"], scope[f"_a{k}"], scope[f"_n{k}"] = owner, type(owner), vars(owner).keys(), frozenset(names)
             tests.append(f"type(_o{k}) is _t{k} and _a{k}.isdisjoint(_n{k})")
         if code is None:  # a copy's or a loaded program's own objects; the plain values as traced
-            traced = self.__dict__.pop("_traced_code_values", {})
+            traced = traced or {}
             code = [
                 dataclasses.replace(read, expected=traced[read.label]) if read.label in traced else read
                 for read in code_reads(self.model, self.called, self.functions)[0]
@@ -515,12 +516,13 @@ class ModelState:
         traced = {read.label: read.expected for read in self.code if _saved_as_traced(read)}
         return {
             "model": self.model, "guards": guards, "called": self.called, "functions": functions, "requires_grad": self.requires_grad,
-            "memos": memos, "_traced_code_values": traced,
+            "memos": memos, "traced_code_values": traced,
         }
 
     def __setstate__(self, state: dict) -> None:
+        traced = state.pop("traced_code_values", {})
         self.__dict__.update({"functions": [], "memos": [], **state})
-        self._bind()  # the copy's own objects: identities do not survive a copy
+        self._bind(traced=traced)  # the copy's own objects: identities do not survive a copy
 
 
 def _saved_as_traced(read: CodeRead) -> bool:
