@@ -55,7 +55,9 @@ from fxflops.analysis.paths import inside, moved
 from fxflops.call_keys import SCALARS, described_layout, value_key
 from fxflops.capture.reads import Reads, module_at, named_modules
 from fxflops.errors import InputError
-from fxflops.situation_code import MAX_COMPARED, TORCH_BASES, CodeRead, SamePartial, code_reads, copied, importable, plain
+from fxflops.situation_code import (
+    MAX_COMPARED, TORCH_BASES, CodeRead, SamePartial, code_reads, copied, definition, importable, plain,
+)
 
 
 def _autocast_key() -> tuple:
@@ -337,10 +339,13 @@ class ModelState:
         self.memos = list(reads.memos.values())  # lru caches whose work the trace did: (cache, empty then)
         self._bind(code)
 
-    def _bind(self, code: list[CodeRead] | None = None, traced: dict[str, Any] | None = None) -> None:
+    def _bind(
+        self, code: list[CodeRead] | None = None, traced: dict[str, Any] | None = None, definitions: dict[str, Any] | None = None
+    ) -> None:
         """Generate the per-call check against this model's objects and take its structure (``code``:
         the code reads, found again when not given: a copy's or a loaded program's own objects, with
-        the plain values of ``traced``, by label, as they were traced)."""
+        the plain values of ``traced``, by label, as they were traced; a function found whose
+        :func:`definition` is not the traced one's in ``definitions`` is compared with that definition)."""
         STRUCTURE.track(self.model)
         scope: dict[str, Any] = {"_any": torch._C._any_requires_grad, "_key": value_key}
         tests = []
@@ -370,9 +375,12 @@ class ModelState:
             scope[f"_o{k}"], scope[f"_t{k}"], scope[f"_a{k}"], scope[f"_n{k}"] = owner, type(owner), vars(owner).keys(), frozenset(names)
             tests.append(f"type(_o{k}) is _t{k} and _a{k}.isdisjoint(_n{k})")
         if code is None:  # a copy's or a loaded program's own objects; the plain values as traced
-            traced = traced or {}
+            traced, definitions = traced or {}, definitions or {}
             code = [
-                dataclasses.replace(read, expected=traced[read.label]) if read.label in traced else read
+                dataclasses.replace(read, expected=traced[read.label]) if read.label in traced
+                else dataclasses.replace(read, expected=_TracedDefinition(read.label, definitions[read.label]), test="==")
+                if read.label in definitions and definition(read.expected) != definitions[read.label]
+                else read
                 for read in code_reads(self.model, self.called, self.functions)[0]
             ]
         self.code = code
@@ -514,15 +522,17 @@ class ModelState:
         # a plain value the code read (a flag, a number, a torch setting) as traced: a copy or a load made
         # after it changed must not take the new value as the traced one (identities are taken again)
         traced = {read.label: read.expected for read in self.code if _saved_as_traced(read)}
+        # a function it read is found again, but must be the one traced: a helper replaced since is not
+        definitions = {read.label: found for read in self.code if (found := definition(read.expected)) is not None}
         return {
             "model": self.model, "guards": guards, "called": self.called, "functions": functions, "requires_grad": self.requires_grad,
-            "memos": memos, "traced_code_values": traced,
+            "memos": memos, "traced_code_values": traced, "traced_definitions": definitions,
         }
 
     def __setstate__(self, state: dict) -> None:
-        traced = state.pop("traced_code_values", {})
+        traced, definitions = state.pop("traced_code_values", {}), state.pop("traced_definitions", {})
         self.__dict__.update({"functions": [], "memos": [], **state})
-        self._bind(traced=traced)  # the copy's own objects: identities do not survive a copy
+        self._bind(traced=traced, definitions=definitions)  # the copy's own objects: identities do not survive a copy
 
 
 def _saved_as_traced(read: CodeRead) -> bool:
@@ -556,6 +566,29 @@ def _code_tests(reads: list[CodeRead], scope: dict[str, Any]) -> list[str]:
         scope["_cells"] = tuple(read.expected for read in cells)
         tests.append(f"({''.join(f'_c{k}.cell_contents, ' for k in range(len(cells)))}) == _cells")
     return tests
+
+
+class _TracedDefinition:
+    """The expected value of a function the code reads that had been replaced when the program was
+    copied or loaded (the traced function's identity did not survive the copy): equal to a function
+    of the traced :func:`definition` (the last one found equal is then known by identity)."""
+
+    __slots__ = ("label", "definition", "found")
+
+    def __init__(self, label: str, traced: Any) -> None:
+        self.label, self.definition, self.found = label, traced, None
+
+    def __eq__(self, other: object) -> bool:
+        if other is not self.found:
+            if definition(other) != self.definition:
+                return False
+            self.found = other
+        return True
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"the function traced as {self.label}"
 
 
 class _AsLoaded:

@@ -889,6 +889,37 @@ class SamePartial:
         return f"partial({getattr(self.func, '__name__', self.func)}, {self.args}, {self.keywords})"
 
 
+def definition(value: Any) -> Any:
+    """What a function the code reads is, where a copy or a load cannot keep its identity: its
+    kind, module, qualified name and code, recursively through a partial's or a bound method's
+    function (a helper replaced by another function, a lambda, a partial or a builtin is another
+    definition, one and the same function in another process is not); None for a value that is
+    not a function."""
+    if isinstance(value, SamePartial):  # how a partial of plain arguments is read
+        return ("partial", value.kind, definition(value.func), value.args, value.keywords)
+    if isinstance(value, functools.partial):
+        arguments = (value.args, value.keywords) if plain(value.args) and plain(value.keywords) else (None, None)
+        return ("partial", type(value), definition(value.func), *arguments)
+    if isinstance(value, types.MethodType):
+        return ("method", type(value.__self__).__qualname__, definition(value.__func__))
+    if isinstance(value, functools._lru_cache_wrapper):
+        return ("lru_cache", definition(value.__wrapped__))
+    if isinstance(value, types.FunctionType):
+        return ("function", value.__module__, value.__qualname__, _code_definition(value.__code__))
+    if isinstance(value, types.BuiltinFunctionType):
+        return ("builtin", getattr(value, "__module__", None), value.__qualname__)
+    return None
+
+
+def _code_definition(code: types.CodeType) -> tuple:
+    """A code object's bytecode, names and constants (nested code objects the same way; a frozenset
+    constant sorted, as its order follows string hashing, which differs between processes)."""
+    return (code.co_code, code.co_names, tuple(
+        _code_definition(c) if isinstance(c, types.CodeType) else sorted(map(repr, c)) if isinstance(c, frozenset) else repr(c)
+        for c in code.co_consts
+    ))
+
+
 def _read(label: str, namespace: Any, key: str | None, value: Any) -> CodeRead | None:
     if isinstance(value, type):  # a class the code builds or tests against: not state a count depends on
         return None

@@ -438,6 +438,33 @@ def test_a_copy_or_load_made_after_a_setting_changed_keeps_the_traced_value(how)
         settings.EXTRA = False
 
 
+def _helper_twice(h, fc):  # another helper, defined as a module's function (pickled by reference)
+    return fc(fc(h))
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle", "torch.save"])
+def test_a_copy_or_load_made_after_a_helper_was_replaced_does_not_take_it_as_traced(how):
+    """A function the model's code reaches (``settings.layers.extra``) is found again by a copy or
+    a loaded program (a copy's own objects); one replaced since the trace (by another function of the
+    same or another name, or a lambda) is not the traced helper: its calls are refused, naming it,
+    until the traced helper is back."""
+    x = torch.randn(5, 8)
+    model = ThroughModulesAndClasses()
+    program = fxflops.trace(model, (x,))
+    traced = flop_counter_call(model, (x,), {}, backward=False)
+    try:
+        for replacement in (_helper_twice, functools.partial(_helper_through_a_module), torch.nn.functional.linear):
+            settings.layers.extra = replacement
+            copied = _round_trip(program, how)
+            with pytest.raises(fxflops.GuardError, match="extra"):
+                copied.count(x)
+            settings.layers.extra = _helper_through_a_module
+            assert copied.count(x) == traced, replacement
+        assert _round_trip(program, how).count(x) == traced  # the traced helper itself: counted
+    finally:
+        settings.layers.extra = _helper_through_a_module
+
+
 class ReadsInputAttributes(nn.Module):
     """Reads Python attributes a data pipeline set on its input tensors."""
 
