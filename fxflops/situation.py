@@ -49,6 +49,7 @@ from typing import Any
 
 import torch
 import torch.nn.utils.stateless
+from torch.nn.modules import module as nn_module
 from torch.utils.hooks import RemovableHandle
 
 from fxflops.analysis.paths import inside, moved
@@ -186,11 +187,9 @@ class Structure:
     def track(self, model: torch.nn.Module) -> None:
         """Count registrations on ``model``'s modules from now on."""
         if not self._installed:
-            from torch.nn.modules import module
-
-            module.register_module_module_registration_hook(self._registered)
-            module.register_module_parameter_registration_hook(self._registered)
-            module.register_module_buffer_registration_hook(self._registered)
+            nn_module.register_module_module_registration_hook(self._registered)
+            nn_module.register_module_parameter_registration_hook(self._registered)
+            nn_module.register_module_buffer_registration_hook(self._registered)
             self._installed = True
         for _, m in named_modules(model):
             if self._tracked.get(id(m), _dead)() is not m:
@@ -210,6 +209,51 @@ class Structure:
     def bump(self) -> None:
         self._version += 1
         self._by_handle = False
+
+
+class _Signature:
+    """What a model structure's changes that fire no registration hook alter, tested on every call
+    at C speed (tens of nanoseconds per module): each module's class (``module.__class__ = Other``),
+    an instance-level ``forward`` (``module.forward = wrapped``), the children of each module that
+    has children, by contents (``del layers[1]``, ``layers.pop(0)``, ``module._modules[name] = m``;
+    ``ModuleList`` deletion makes its dict anew), and the number of torch's global module hooks (one
+    removed moves no counter). When it changes, :meth:`ModelState.matches` walks the whole structure
+    (``_snapshot``) and takes the signature again. Not seen here: a tensor resized in place
+    (``param.data = ...``) or written into a parameter dict directly, a child put directly into a
+    leaf's empty children dict; found at the next ``Meter.step()``."""
+
+    __slots__ = ("modules", "dicts", "types", "forwards", "parents", "children", "hooks")
+
+    def __init__(self, modules: list[torch.nn.Module]) -> None:
+        self.modules = modules
+        self.dicts = [vars(m) for m in modules]
+        self.types = list(map(type, modules))
+        self.forwards = list(map(dict.get, self.dicts, itertools.repeat("forward")))
+        self.parents = [d for d in self.dicts if d.get("_modules")]
+        self.children = [dict(d["_modules"]) for d in self.parents]  # copies: a dict changed in place differs
+        self.hooks = _global_hook_counts()
+
+    def holds(self) -> bool:
+        try:
+            return (
+                list(map(type, self.modules)) == self.types
+                and list(map(dict.get, self.dicts, itertools.repeat("forward"))) == self.forwards
+                and list(map(_CHILDREN, self.parents)) == self.children
+                and _global_hook_counts() == self.hooks
+            )
+        except KeyError:  # a module's children dict deleted
+            return False
+
+
+_CHILDREN = operator.itemgetter("_modules")
+_GLOBAL_HOOKS = (
+    nn_module._global_forward_pre_hooks, nn_module._global_forward_hooks,
+    nn_module._global_backward_pre_hooks, nn_module._global_backward_hooks,
+)
+
+
+def _global_hook_counts() -> tuple[int, ...]:
+    return tuple(map(len, _GLOBAL_HOOKS))
 
 
 def _hook_ids(*hook_dicts: Any) -> tuple:
@@ -403,8 +447,9 @@ class ModelState:
         lines.append("    return True")
         exec(compile("\n".join(lines) + "\n", "<fxflops model state>", "exec"), scope)  # noqa: S102 - our own code
         self._check: Callable[[], bool] = scope["check"]
-        self._structure, hooks = self._snapshot()
+        self._structure, hooks, modules = self._snapshot()
         self._take_hook_counts(hooks)
+        self._signature = _Signature(modules)
         self._version = STRUCTURE.version
         self._structure_ok = True
         self.settled = False
@@ -417,7 +462,7 @@ class ModelState:
         parameters and buffers as they were before the call (FSDP2 leaves the root's parameters
         unsharded after a forward, sharded again before the next)."""
         self.settled = True
-        now, hooks = self._snapshot()
+        now, hooks, modules = self._snapshot()
         if len(now) != len(self._structure):
             return
         settled = [now[0]]  # the global hooks
@@ -427,6 +472,7 @@ class ModelState:
             settled.append(after)
         self._structure = tuple(settled)
         self._take_hook_counts(hooks)
+        self._signature = _Signature(modules)
 
     def _take_hook_counts(self, hooks: tuple[dict, ...]) -> None:
         """The model's module hook dicts holding hooks now (``_snapshot``'s) and their sizes: a hook
@@ -436,20 +482,14 @@ class ModelState:
         self._hooks = hooks
         self._hook_counts = tuple(map(len, hooks))
 
-    def _snapshot(self) -> tuple[tuple, tuple[dict, ...]]:
+    def _snapshot(self) -> tuple[tuple, tuple[dict, ...], list[torch.nn.Module]]:
         """Every module, parameter and buffer by identity (tensors with shape, dtype, device and
         their gradient hooks), the hooks and forward overrides: the structure the program was traced
-        on; and the modules' hook dicts that hold hooks (``_take_hook_counts``)."""
-        from torch.nn.modules import module as nn_module
-
-        rows: list[Any] = [_hook_ids(*(
-            _not_torchs(hooks) for hooks in (
-                nn_module._global_forward_pre_hooks, nn_module._global_forward_hooks,
-                nn_module._global_backward_pre_hooks, nn_module._global_backward_hooks,
-            )
-        ))]
+        on; the modules' hook dicts that hold hooks (``_take_hook_counts``); the modules."""
+        rows: list[Any] = [_hook_ids(*map(_not_torchs, _GLOBAL_HOOKS))]
         held: list[dict] = []
-        for path, m in named_modules(self.model):
+        modules = named_modules(self.model)
+        for path, m in modules:
             tensors = tuple(
                 (name, id(t), t.dtype, tuple(t.shape), t.device, _hook_ids(t._backward_hooks, getattr(t, "_post_accumulate_grad_hooks", None)))
                 if t is not None else (name, None)
@@ -461,19 +501,20 @@ class ModelState:
             forward = vars(m).get("forward")  # an instance-level override (not fxflops' own routing probe)
             overridden = forward is not None and not getattr(forward, "fxflops_own", False)
             rows.append((path, id(m), type(m), tensors, hooks, id(forward) if overridden else None))
-        return tuple(rows), tuple(held)
+        return tuple(rows), tuple(held), [m for _, m in modules]
 
     def matches(self) -> bool:
         """Whether the model is in the state the program was traced in."""
         version = STRUCTURE.version
-        if version != self._version:
+        if version != self._version or not self._signature.holds():
             self._version = version
-            now, hooks = self._snapshot()
+            now, hooks, modules = self._snapshot()
             ok = now == self._structure
             if ok:
                 self._take_hook_counts(hooks)  # the same hooks, maybe in dicts made anew
                 if self._structure_ok:
                     STRUCTURE.found_unchanged()
+            self._signature = _Signature(modules)  # of the structure found: a changed one is not walked again per call
             self._structure_ok = ok
         if not self._structure_ok or tuple(map(len, self._hooks)) != self._hook_counts:
             return False
