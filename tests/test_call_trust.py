@@ -22,6 +22,7 @@ import copy
 import dataclasses
 import functools
 import io
+import math
 import os
 import pickle
 import sys
@@ -1411,3 +1412,92 @@ def test_hooks_the_first_real_call_installs_are_the_traced_structure(following_h
     _check(wrapper, model, False, "a user's hook after it: found at once")
     assert wrapper.captures == 2
 
+
+
+class Twice(nn.Linear):
+    """A layer class put on a module in place (``module.__class__ = Twice``)."""
+
+    def forward(self, x):
+        return super().forward(super().forward(x))
+
+
+class Stacked(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+        self.tail = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(self.tail(x))
+
+
+def _wrapped_forward(module):
+    inner = module.forward
+    module.forward = lambda x: inner(inner(x))  # an instance-level wrap, as accelerate's hooks do
+
+
+@pytest.mark.parametrize("backward", [False, True])
+def test_structure_changes_that_fire_no_registration_hook_guard_their_programs(backward, monkeypatch):
+    """Deleting a layer from a ``ModuleList`` or a ``Sequential``, a module's class replaced in place,
+    an instance-level ``forward``, a children dict written directly, a global hook removed: none of
+    them fires torch's registration hooks or moves the hook handle counter (the counter is not
+    followed here, as after a run of handles made in vain; the reference's own hooks would move it),
+    and each makes another structure, found at the next call."""
+    monkeypatch.setattr(fxflops.situation.STRUCTURE, "following_handles", False)
+    model = Stacked()
+    wrapper = fxflops.instrument(model, backward=backward)
+    weight = torch.randn(4, 4)
+    handles = []
+    steps = [
+        ("traced", lambda: None),
+        ("a global forward hook registered", lambda: handles.append(
+            nn.modules.module.register_module_forward_hook(lambda m, a, out: out @ weight if type(m) is nn.Linear and out.shape[-1] == 4 else out)
+        )),
+        ("del layers[1]", lambda: model.layers.__delitem__(1)),
+        ("layers.pop(0)", lambda: model.layers.pop(0)),
+        ("del tail[0]", lambda: model.tail.__delitem__(0)),
+        ("a layer's class replaced in place", lambda: setattr(model.layers[0], "__class__", Twice)),
+        ("an instance-level forward", lambda: _wrapped_forward(model.layers[-1])),
+        ("the root's children dict written directly", lambda: model._modules.__setitem__("layers", nn.ModuleList([nn.Linear(8, 8)]))),
+        ("the global hook removed", lambda: handles.pop().remove()),
+    ]
+    try:
+        for label, change in steps:
+            change()
+            _check(wrapper, model, backward, label)
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+class SignedScale(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x, k=0.0, window=slice(None)):
+        h = self.fc(x[window])
+        if math.copysign(1.0, k) < 0:  # -0.0 == 0.0, yet the code tells them apart
+            h = self.fc(h)
+        if k != k:  # NaN
+            h = self.fc(self.fc(h))
+        return h
+
+
+@pytest.mark.parametrize("backward", [False, True])
+def test_float_arguments_are_told_apart_by_bits_and_slices_are_counted(backward):
+    """``0.0`` and ``-0.0`` are equal and hash equal, NaN equals nothing, a slice was not hashable:
+    each is its own situation, by its bits (a NaN argument is one situation, not a new capture per
+    call), and a slice argument's calls are counted."""
+    model = SignedScale()
+    wrapper = fxflops.instrument(model, backward=backward)
+    x = lambda: torch.randn(6, 8)  # noqa: E731
+    for label, kwargs in [
+        ("0.0", {"k": 0.0}), ("-0.0", {"k": -0.0}), ("0.0 again", {"k": 0.0}), ("nan", {"k": float("nan")}),
+        ("another nan", {"k": float("nan")}), ("a slice", {"window": slice(0, 3)}), ("another slice", {"window": slice(1, 6, 2)}),
+    ]:
+        assert_counted_call(wrapper, model, (x(),), backward, label, kwargs)
+    assert wrapper.captures <= 5  # 0.0, -0.0, NaN, one per slice (its bounds are constants of the trace)
