@@ -22,6 +22,12 @@ class PinnedSymbolError(CaptureError):
     """A requested free symbol was pinned to a constant or merged with another symbol by the model."""
 
 
+class OtherThreadError(CaptureError):
+    """The model's code ran the call's tensors on another thread (a thread pool in its forward).
+    Neither a trace nor a measurement sees that work (tracing and dispatch modes are per thread),
+    so the call is not counted (never measured: ``module`` stays None)."""
+
+
 class UnboundSymbolError(FxFlopsError):
     """A program was evaluated without a value for one of its symbols."""
 

@@ -237,3 +237,63 @@ def test_past_max_programs_without_measuring_a_call_is_uncounted_and_said():
             wrapper(torch.randn(2, 9, 8), keep)
     assert wrapper.flops.total() == 0 and wrapper.flops.uncounted == 1 and wrapper.captures == 1
     assert any("max_programs=1" in str(w.message) for w in caught)
+
+
+POOL_SCRIPT = r'''
+import concurrent.futures, warnings, torch
+from torch import nn
+import fxflops
+
+POOL = concurrent.futures.ThreadPoolExecutor(2)
+
+
+class Branches(nn.Module):
+    """Runs two branches of its forward on a thread pool."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, x):
+        fa, fb = POOL.submit(self.a, x), POOL.submit(self.b, x)
+        return self.c(fa.result() + fb.result())
+
+
+torch.manual_seed(0)
+model = Branches()
+wrapper = fxflops.instrument(model)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    for rows in (4, 4, 6, 4):
+        x = torch.randn(rows, 16)
+        with torch.no_grad():
+            assert torch.equal(wrapper(x), model(x))
+assert wrapper.flops.calls == 0 and wrapper.flops.uncounted == 4, (wrapper.flops.calls, wrapper.flops.uncounted)
+assert any("another thread" in str(w.message) for w in caught), [str(w.message) for w in caught]
+try:
+    fxflops.trace(model, (torch.randn(4, 16),))
+except fxflops.CaptureError as exc:
+    assert "another thread" in str(exc) and exc.module is None, exc
+else:
+    raise AssertionError("traced a model whose work ran on other threads")
+for _ in range(3):
+    with torch.no_grad():
+        model(torch.randn(4, 16))
+POOL.shutdown()
+print("ok")
+'''
+
+
+def test_a_model_computing_on_a_thread_pool_is_refused_and_never_aborts_the_process():
+    """The model hands the call's tensors to a thread pool. Under a trace those are fake tensors,
+    which torch would compute with on the worker threads outside the trace (an undercount, or the
+    call measured without the workers' ops) and whose mode state it would leave broken there: torch
+    aborted the process later. Each call is refused with a warning (neither a trace nor a
+    measurement sees other threads), outputs are the model's own, and the process exits cleanly (in
+    a subprocess with a time limit, twice: the abort was intermittent)."""
+    import subprocess
+    import sys
+
+    for _ in range(2):
+        done = subprocess.run([sys.executable, "-c", POOL_SCRIPT], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]

@@ -27,7 +27,7 @@ from fxflops.capture.phases import run_backward, tagging_recompute
 from fxflops.capture.reuse import LayerCalledTwice
 from fxflops.capture.scope import patched
 from fxflops.capture.shape_env import format_location, is_library_file, size_oblivious
-from fxflops.errors import CaptureError
+from fxflops.errors import CaptureError, OtherThreadError
 
 TENSOR = object()  # marks tensor leaves in a graph's recorded output structure
 
@@ -225,7 +225,7 @@ def trace_graph(
         gm.meta["output_structure"] = tuple(structure)  # (pytree spec, leaves with TENSOR for tensors)
         return gm
     except CaptureError as exc:  # fxflops' own refusal inside the model's code: where it ran
-        if exc.module is None:
+        if exc.module is None and not isinstance(exc, OtherThreadError):  # that work cannot be measured either
             exc.module = _running_module(exc, model)
         raise
     except LayerCalledTwice:

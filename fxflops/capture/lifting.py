@@ -49,10 +49,11 @@ import sympy
 import torch
 import torch.utils._pytree as pytree
 from torch._dynamo.source import ConstantSource
-from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
 from torch.fx.experimental.symbolic_shapes import DimDynamic
 
+from fxflops.capture.fake_mode import ThreadBoundFakeMode
 from fxflops.capture.graph import TENSOR, op_name, trace_graph
 from fxflops.capture.markers import per_segment_marker
 from fxflops.capture.phases import own_phases
@@ -166,7 +167,7 @@ def trace_segment(
     packed = next(v for v in pytree.tree_leaves((bound.args, bound.kwargs)) if isinstance(v, torch.Tensor))
     rows = packed.shape[0]
     env = BlamingShapeEnv()
-    mode = FakeTensorMode(shape_env=env, allow_non_fake_inputs=True)
+    mode = ThreadBoundFakeMode(shape_env=env, allow_non_fake_inputs=True)
     source = ConstantSource("s")
     hint = max(_hint(rows), 2)
     sym = env.create_symbol(hint, source, DimDynamic.DYNAMIC, positive=None, do_not_specialize_zero_one=True)
@@ -195,6 +196,7 @@ def trace_segment(
         f for f, v in zip(pytree.tree_leaves((args, kwargs)), pytree.tree_leaves((bound.args, bound.kwargs))) if v is offsets
     )
     gm = trace_graph(module, mode, args, kwargs, backward, shapes=shapes)
+    mode.check()
     inputs = [v for v in pytree.tree_leaves((args, kwargs)) if isinstance(v, torch.Tensor)]
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     offsets_node = placeholders[next(i for i, t in enumerate(inputs) if t is fake_offsets)]

@@ -27,12 +27,12 @@ from typing import Any
 import sympy
 import torch
 import torch.utils._pytree as pytree
-from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fxflops.capture.adapters import Adapter
 from fxflops.capture.ambient import clean_slate
 from fxflops.capture.derived import DerivedSize, TracedSize
 from fxflops.capture.engines import compute_shapes, engines_left_alone
+from fxflops.capture.fake_mode import ThreadBoundFakeMode
 from fxflops.capture.graph import trace_graph
 from fxflops.capture.inputs import DimSpec, Path, bind_call, held_ints, is_metadata, path_label, resolve_dims, tensor_leaves
 from fxflops.capture.isolation import isolated_call, preserving_state, twin_of
@@ -129,7 +129,7 @@ def _trace_once(
     the derived sizes' example values, each a symbol the adapter's stand-ins receive; ``reach``:
     what the model's code can write to (``capture/side_effects.py``)."""
     env = BlamingShapeEnv()
-    mode = FakeTensorMode(shape_env=env, allow_non_fake_inputs=True)
+    mode = ThreadBoundFakeMode(shape_env=env, allow_non_fake_inputs=True)
     fakes, env_syms = symbolic_inputs(env, mode, tensors, specs)
     symints = symbolic_ints(env, integers, env_syms, integer_names)
     sizes = {
@@ -150,6 +150,7 @@ def _trace_once(
         # looking for feature getters) are not the model's code and guard nothing
         with reusing_repeated_layers(tree, skip, backward, reusing, ignored) as reuse, recording_reads(tree, reads, twin.originals):
             gm = trace_graph(tree, mode, args, kwargs, backward, held, non_leaf, shapes, roots, sizes)
+    mode.check()
     return _Trace(gm, env, env_syms, fakes, symints, lifted, reuse)
 
 
