@@ -64,6 +64,10 @@ def _key(value: Any, shapes: bool, held: list[int] | None) -> Any:
     if kind in _EXACT_SCALARS or isinstance(value, SCALARS):
         if kind is int and held is not None and held[1] and not shapes:  # an object's integer: a symbol (capture/inputs.py)
             return _HELD_INT
+        if kind is float and (value == 0 or value != value):  # 0.0 and -0.0 are equal, NaN is not equal to itself: by bits
+            return (kind, value.hex())
+        if kind is slice:  # not hashable before Python 3.12
+            return (kind, _slice_fields(value))
         return (kind, value)
     if kind is list or kind is tuple or isinstance(value, (list, tuple)):
         return (kind, tuple([_key(v, shapes, held) for v in value]))
@@ -138,6 +142,13 @@ def described_layout(key: Any) -> str:
 
 
 _ARRAY_BYTES = 1 << 16  # a numpy array argument keyed by its contents up to this size
+
+
+def _slice_fields(value: slice) -> tuple:
+    fields = (value.start, value.stop, value.step)
+    if not all(v is None or type(v) is int for v in fields):
+        raise InputError(f"a slice argument with bounds other than integers ({value!r}): fxflops cannot tell its calls apart")
+    return fields
 
 
 def _opaque_key(value: Any, shapes: bool) -> Any:
@@ -385,6 +396,8 @@ class _Tests:
         elif kind in _EXACT_SCALARS or isinstance(value, SCALARS):
             if kind is int and held is not None and held[1] and not shapes:
                 self._fail_if(other_type)
+            elif kind is float and (value == 0 or value != value):  # 0.0, -0.0 and NaN (which == cannot tell apart), by bits, as _key keys them
+                self._fail_if(f"{other_type} or {x}.hex() != {self._constant(value.hex())}")
             else:  # a key's tuple compares its items by identity, then ==
                 c = self._constant(value)
                 self._fail_if(f"{other_type} or not ({x} is {c} or {x} == {c})")

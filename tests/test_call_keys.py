@@ -68,6 +68,8 @@ def _base() -> tuple[tuple, dict]:
         "module": _MODULE,
         "flag": True,
         "none": None,
+        "zero": 0.0,
+        "nan": float("nan"),
     }
     return args, kwargs
 
@@ -145,6 +147,9 @@ def _changes() -> dict[str, object]:
         "module": kw("module", torch.nn.Linear(2, 2)),
         "flag": kw("flag", False),
         "none to zero": kw("none", 0),
+        "zero's sign": kw("zero", -0.0),  # equal to 0.0 (and hashes equal), but math.copysign tells them apart
+        "nan another object": kw("nan", float("nan")),  # NaN != NaN: still the same value
+        "nan to a number": kw("nan", 1.0),
         "option added": kw("verbose", True),
     }
 
@@ -180,6 +185,7 @@ def test_the_expected_changes_are_differences_and_sizes_are_not():
     check = keys.check(base_args, base_kwargs)
     same = {
         "nothing", "input size", "cache length", "pair tensor size", "shallow node tensor size", "shallow node int", "layer int value",
+        "nan another object",
     }
     for name, change in _changes().items():
         args, kwargs = change(*copy.deepcopy((base_args, base_kwargs)))
@@ -194,3 +200,14 @@ def test_a_call_holding_too_many_values_keeps_the_general_path():
     args = (torch.zeros(2, 5), [torch.zeros(1) for _ in range(5000)])
     assert keys.check(args, {}) is None
     assert keys(args, {}) == keys((torch.zeros(3, 5), [torch.zeros(2) for _ in range(5000)]), {})
+
+
+def test_keys_are_hashable_with_every_value_kind():
+    """A situation is a dictionary key: a slice (unhashable before Python 3.12) must not make a
+    call's key unusable, and keys equal as values hash equal."""
+    keys = CallKeys(forward)
+    base_args, base_kwargs = _base()
+    again_args, again_kwargs = copy.deepcopy((base_args, base_kwargs))
+    again_kwargs = {**again_kwargs, "module": _MODULE, "nan": float("nan")}
+    assert hash(keys(base_args, base_kwargs)) == hash(keys(again_args, again_kwargs))
+    assert {keys(base_args, base_kwargs): 1}[keys(again_args, again_kwargs)] == 1
