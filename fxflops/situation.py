@@ -321,7 +321,9 @@ class StateGuard:
     classes before it in the MRO resolve the name to the same value) or ``"absent"`` (not in the
     object's ``__dict__``: read there and found on the class, or not at all, as in
     ``getattr(self, "extra", 0)`` or ``hasattr(self, "tail")``; holds while the object still has no such
-    instance attribute)."""
+    instance attribute) or ``"computed"`` (held by neither: its class resolves the name itself, an
+    alias of a transformers config's ``attribute_map``, a dict behind ``__getattr__``; read with
+    ``getattr`` per call)."""
 
     label: str
     path: str
@@ -391,10 +393,14 @@ class ModelState:
         the plain values of ``traced``, by label, as they were traced; a function found whose
         :func:`definition` is not the traced one's in ``definitions`` is compared with that definition)."""
         STRUCTURE.track(self.model)
-        scope: dict[str, Any] = {"_any": torch._C._any_requires_grad, "_key": value_key}
+        scope: dict[str, Any] = {"_any": torch._C._any_requires_grad, "_key": value_key, "_getattr": getattr}
         tests = []
         absent: dict[int, tuple[Any, set[str]]] = {}  # id(object) -> (object, names its __dict__ must not hold)
         for i, guard in enumerate(self.guards):
+            if guard.where == "computed":  # read as the code reads it: through the class's own lookup
+                scope[f"_r{i}"], scope[f"_v{i}"] = guard.owner(self.model), guard.expected
+                tests.append(f"_getattr(_r{i}, {guard.key!r}) {guard.test} _v{i}")
+                continue
             namespace, shadows = guard.namespaces(self.model)
             if guard.where == "absent":
                 owner = guard.owner(self.model)
@@ -528,6 +534,11 @@ class ModelState:
         if self._snapshot()[0] != self._structure:
             return f"the structure of {type(self.model).__name__} changed (a module, parameter, buffer or hook)"
         for guard in self.guards:
+            if guard.where == "computed":
+                now = getattr(guard.owner(self.model), guard.key, _MISSING)
+                if not guard.holds(now):
+                    return f"{guard.label} is {_short(now)}, the program was traced with {_short(guard.expected)}"
+                continue
             state, shadows = guard.namespaces(self.model)
             if guard.where == "absent":
                 if guard.key in state:
@@ -727,6 +738,7 @@ def _registered(module: torch.nn.Module, name: str) -> bool:
     return name in module._parameters or name in module._buffers or name in module._modules
 
 
+_MISSING = type("_Missing", (), {"__repr__": lambda self: "missing"})()
 _ROUTED = frozenset({"forward"})  # set on instances by fxflops' own routes too: the structure check's (``fxflops_own``)
 
 
@@ -742,7 +754,21 @@ def _not_on_instance(obj: Any, label: str, path: str, held: str | None, name: st
         value = vars(owner)[name]
         test = "==" if plain(value) and not isinstance(value, (bool, type(None))) else "is"
         guards.append(StateGuard(f"{owner.__qualname__}.{name} (class attribute)", path, held, name, copied(value), test, "class"))
+    elif _resolves_names_itself(type(obj)):  # an alias (a transformers config's attribute_map), a dict behind __getattr__
+        try:
+            value = getattr(obj, name)
+        except Exception:  # noqa: BLE001 - absent: the "absent" guard says so
+            return guards
+        test = "==" if plain(value) and not isinstance(value, (bool, type(None))) else "is"
+        guards.append(StateGuard(f"{label} (as {type(obj).__name__} resolves it)", path, held, name, copied(value), test, "computed"))
     return guards
+
+
+def _resolves_names_itself(cls: type) -> bool:
+    """Whether ``cls`` (or a base of it other than ``object`` and ``nn.Module``) defines
+    ``__getattribute__`` or ``__getattr__``: a name neither its instances nor its classes hold can
+    still have a value, read through that code (compared per call by reading it the same way)."""
+    return any("__getattribute__" in vars(c) or "__getattr__" in vars(c) for c in cls.__mro__ if c not in TORCH_BASES)
 
 
 def _guard(label: str, path: str, held: str | None, key: str, value: Any, constants: set[int], values: set[int]) -> StateGuard:

@@ -34,6 +34,7 @@ import torch.backends.cuda as cuda_backend
 from torch import get_float32_matmul_precision as float32_matmul_precision
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+from transformers import PretrainedConfig
 
 import fxflops
 from reference import assert_counted_call, flop_counter_call
@@ -1501,3 +1502,64 @@ def test_float_arguments_are_told_apart_by_bits_and_slices_are_counted(backward)
     ]:
         assert_counted_call(wrapper, model, (x(),), backward, label, kwargs)
     assert wrapper.captures <= 5  # 0.0, -0.0, NaN, one per slice (its bounds are constants of the trace)
+
+
+class AliasedConfig(PretrainedConfig):
+    """A transformers config whose ``attribute_map`` aliases a name (as GPT-2's ``n_layer``)."""
+
+    model_type = "fxflops_test_aliased"
+    attribute_map = {"num_layers": "num_hidden_layers"}
+
+    def __init__(self, num_hidden_layers: int = 1, **kwargs) -> None:
+        self.num_hidden_layers = num_hidden_layers
+        super().__init__(**kwargs)
+
+
+class Settings:
+    """An object serving its settings from a dict through ``__getattr__``."""
+
+    def __init__(self) -> None:
+        self._values = {"wide": False}
+
+    def __getattr__(self, name):
+        try:
+            return self.__dict__["_values"][name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+class KnobsBehindGetattr(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.config, self.settings, self.fc = AliasedConfig(), Settings(), nn.Linear(8, 8)
+        self._knobs = {"twice": False}
+
+    def __getattr__(self, name):
+        knobs = self.__dict__.get("_knobs", {})
+        return knobs[name] if name in knobs else super().__getattr__(name)
+
+    def forward(self, x):
+        for _ in range(self.config.num_layers):
+            x = self.fc(x)
+        if self.settings.wide:
+            x = self.fc(x)
+        return self.fc(self.fc(x)) if self.twice else x
+
+
+@pytest.mark.parametrize("backward", [False, True])
+def test_attributes_a_class_resolves_itself_guard_their_programs(backward):
+    """A name neither the object nor its class holds, read through the class's own lookup: an alias
+    of a transformers config's ``attribute_map``, a dict behind ``__getattr__`` on a held object or
+    on a module. Its value is the state, read the same way per call."""
+    model = KnobsBehindGetattr()
+    wrapper = fxflops.instrument(model, backward=backward)
+    for label, change in [
+        ("traced", lambda: None),
+        ("the aliased attribute changed", lambda: setattr(model.config, "num_hidden_layers", 3)),
+        ("set through its alias", lambda: setattr(model.config, "num_layers", 2)),
+        ("a held object's __getattr__ dict", lambda: model.settings._values.update(wide=True)),
+        ("the module's __getattr__ dict", lambda: model._knobs.update(twice=True)),
+        ("all back", lambda: (model.config.__setattr__("num_hidden_layers", 1), model.settings._values.update(wide=False), model._knobs.update(twice=False))),
+    ]:
+        change()
+        _check(wrapper, model, backward, label)
