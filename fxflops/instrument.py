@@ -43,7 +43,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from fxflops.call_keys import CallKeys
-from fxflops.capture.engines import not_a_microbatch, traced_module
+from fxflops.capture.engines import not_a_microbatch, traced_module, transform_around
 from fxflops.capture.outputs import holds_iterator, output_tensors
 from fxflops.capture.scope import capturing
 from fxflops.errors import CaptureError, FxFlopsError, GuardError, InputError, MetadataError, warn
@@ -321,6 +321,9 @@ class Instrumented(torch.nn.Module):
             return (args, kwargs, None, None) if defer else (args, kwargs, None)
         deferred = None
         try:
+            transform = transform_around()
+            if transform is not None:
+                raise CaptureError(f"{type(self.traced).__name__}: called inside {transform}: its work is not what the call's sizes describe")
             args, kwargs = self._prepare(args, kwargs)
             found = self._program_for(args, kwargs)
             if self.routing is not None:

@@ -297,3 +297,33 @@ def test_a_model_computing_on_a_thread_pool_is_refused_and_never_aborts_the_proc
     for _ in range(2):
         done = subprocess.run([sys.executable, "-c", POOL_SCRIPT], capture_output=True, text=True, timeout=120)
         assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+
+@pytest.mark.parametrize("transform", ["vmap", "grad", "jvp", "dual level"])
+def test_a_call_inside_a_torch_func_transform_or_forward_ad_is_not_counted_and_said(transform):
+    """Under ``torch.vmap`` the model's code sees one sample's tensors (counted as one sample, the
+    work of the whole batch was missed); ``grad``/``jvp`` and forward-mode AD compute more than the
+    call's outputs. Such calls are not counted, with a warning naming the transform, and the
+    model's result is unchanged."""
+    import torch.autograd.forward_ad as forward_ad
+
+    model = Small()
+    wrapper = fxflops.instrument(model)
+    x, samples = torch.randn(3, 8), torch.randn(7, 3, 8)
+    wrapper(x)  # captured outside any transform
+    wrapper.flops.reset()
+    calls = {
+        "vmap": lambda f: torch.vmap(f)(samples),
+        "grad": lambda f: torch.func.grad(lambda v: f(v).sum())(x),
+        "jvp": lambda f: torch.func.jvp(f, (x,), (torch.ones_like(x),))[1],
+    }
+
+    def dual(f):
+        with forward_ad.dual_level():
+            return forward_ad.unpack_dual(f(forward_ad.make_dual(x, torch.ones_like(x)))).tangent
+
+    calls["dual level"] = dual
+    with pytest.warns(UserWarning, match="inside"):
+        got = calls[transform](wrapper)
+    assert torch.allclose(got, calls[transform](model))
+    assert wrapper.flops.calls == 0 and wrapper.flops.uncounted == 1 and wrapper.flops.total() == 0

@@ -22,6 +22,11 @@ for the next real step), and must still see the arithmetic each rank does:
   backward). That is the schedule's bookkeeping, not a microbatch: :func:`not_a_microbatch` tells
   ``instrument()`` to run such calls uncounted.
 
+- **torch.func transforms and forward-mode AD** (``torch.vmap(model)``, ``torch.func.grad``,
+  ``jacrev``, ``jvp``, a ``forward_ad.dual_level``): the model's code sees per-sample tensors (vmap)
+  or computes tangents besides its outputs, work that neither the call's sizes nor a trace of it
+  describe. :func:`transform_around` names the transform; such calls are not counted, said.
+
 - **torch.compile** wraps a module in an ``OptimizedModule`` that runs the original module's code
   compiled: :func:`traced_module` is that original module, which a capture traces (its submodule
   names are the model's own, without ``_orig_mod.``). Compiled code a capture reaches inside a model
@@ -43,6 +48,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.autograd.forward_ad as forward_ad
 
 from fxflops.capture.scope import patched
 
@@ -135,6 +141,16 @@ def _fsdp_state(module: torch.nn.Module) -> Any:
 
 _inference = threading.local()
 _PIPELINING = "torch.distributed.pipelining.stage"
+
+
+def transform_around() -> str | None:
+    """The torch.func transform or forward-mode AD level the calling thread is inside, or None
+    (two C-level reads)."""
+    if torch._C._functorch.peek_interpreter_stack() is not None:
+        return "a torch.func transform (vmap, grad, jacrev, jvp)"
+    if forward_ad._current_level >= 0:
+        return "forward-mode AD (torch.autograd.forward_ad.dual_level)"
+    return None
 
 
 def not_a_microbatch() -> bool:
