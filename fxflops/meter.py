@@ -177,14 +177,19 @@ class Meter:
         self.steps += 1
         STRUCTURE.bump()
 
-    def symbol_total(self, name: str, _hosted: list | None = None) -> int:
-        """Sum over the counted calls of one symbol's value (e.g. ``"tokens"``), 0 if no program has it."""
-        total = 0
-        for program, acc, _, _ in _hosted if _hosted is not None else self._on_host():
-            column = program.layout.column(name)
-            if column is not None:
-                total += acc[column]
-        return total
+    def symbol_total(self, name: str, _hosted: list | None = None) -> int | None:
+        """Sum over the counted calls of one symbol's value (e.g. ``"tokens"``): 0 when nothing was
+        counted, None when calls were counted and no program has a symbol of that name (a misspelt
+        or zero-configuration name: ``input_ids_1``; see :meth:`symbol_names`)."""
+        hosted = _hosted if _hosted is not None else self._on_host()
+        columns = [(acc, program.layout.column(name)) for program, acc, _, _ in hosted]
+        if hosted and all(column is None for _, column in columns):
+            return None
+        return sum(acc[column] for acc, column in columns if column is not None)
+
+    def symbol_names(self) -> list[str]:
+        """The symbols of the programs that counted calls (the names ``report(tokens=...)`` takes)."""
+        return sorted({str(m) for program, *_ in self._sums.values() for m in program.layout.monomials if m.is_Symbol})
 
     def totals(
         self, depth: int | None = 1, convention: Convention | None = None, counters: dict[str, str | None] | None = None
@@ -195,6 +200,7 @@ class Meter:
         hosted = self._on_host()
         useful = [self.breakdown(depth, phase, convention, hosted) for phase in PHASES if phase != "recompute"]
         sums = {name: self.symbol_total(symbol, hosted) for name, symbol in (counters or {}).items() if symbol}
+        sums = {name: total for name, total in sums.items() if total is not None}  # no such symbol: unknown, not 0
         malformed: dict[str, int] = {}
         for program, acc, _, _ in hosted:
             for name, n in program.malformed(acc).items():
@@ -264,6 +270,10 @@ class Meter:
         elapsed = time.perf_counter() - self._started if elapsed_s is None else elapsed_s
         named = convention or next((p.convention for p, *_ in self._sums.values()), FLOPCOUNTER)
         totals = self.totals(depth, convention, {"tokens": tokens, "images": images})
+        for counter, symbol in (("tokens", tokens), ("images", images)):
+            if symbol and counter not in totals and self.calls:
+                warn(f"fxflops: report({counter}={symbol!r}): no program has a symbol of that name, so {counter} per second "
+                     f"are unknown; the programs' symbols: {', '.join(self.symbol_names()) or 'none'}", stacklevel=2)
         distributed = group is not None or (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
         world_size = dist.get_world_size(group) if distributed else 1
         if distributed:

@@ -44,6 +44,18 @@ def test_gradient_accumulation_steps_and_report():
     assert wrapper.flops.total() == 0 and wrapper.flops.steps == 0  # the report starts over
 
 
+def test_a_symbol_no_program_has_gives_unknown_tokens_and_says_which_exist():
+    """``report(tokens="tokens")`` where the programs' symbols are ``b`` and ``s`` (or the
+    zero-configuration ``input_ids_0``): tokens per second are unknown and said, never 0."""
+    wrapper = fxflops.instrument(TinyGPT(CFG), dims={"input_ids": {0: "b", 1: "s"}})
+    assert wrapper.flops.report(elapsed_s=1.0, tokens="s").tokens == 0  # nothing counted yet: 0, no warning
+    wrapper(torch.randint(0, 100, (2, 7)))
+    with pytest.warns(UserWarning, match=r"tokens='tokens'.*symbols: b, s"):
+        report = wrapper.flops.report(elapsed_s=1.0, tokens="tokens", images="s")
+    assert report.tokens is None and report.images == 7
+    assert not report.metrics().get("fxflops/tokens_per_s")
+
+
 def test_unknown_device_gives_no_mfu_and_says_why():
     meter = fxflops.Meter()
     report = meter.report(elapsed_s=1.0, device="cpu")
