@@ -159,6 +159,8 @@ class Instrumented(torch.nn.Module):
         self._buffers = model._buffers
         self._non_persistent_buffers_set = model._non_persistent_buffers_set
         self._modules = model._modules
+        for hooks in _STATE_DICT_HOOKS:  # the root's state_dict and load hooks are the model's
+            setattr(self, hooks, getattr(model, hooks))
         self.training = model.training
         object.__setattr__(self, "model", model)  # what a call runs
         object.__setattr__(self, "traced", traced_module(model))  # whose code a capture traces
@@ -217,6 +219,14 @@ class Instrumented(torch.nn.Module):
         self.model.train(mode)
         self.training = mode
         return self
+
+    def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
+        # the root's own entries as the model saves them (its get_extra_state, an override)
+        self.model._save_to_state_dict(destination, prefix, keep_vars)
+
+    def _load_from_state_dict(self, state_dict: dict, prefix: str, *args: Any, **kwargs: Any) -> None:
+        # as the model loads them (its set_extra_state, an override renaming old keys)
+        self.model._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -590,6 +600,9 @@ class Instrumented(torch.nn.Module):
         if message not in self._warned:
             self._warned.add(message)
             warn(f"fxflops: call not counted: {message}", stacklevel=4)
+
+
+_STATE_DICT_HOOKS = ("_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks")
 
 
 class _Running(threading.local):

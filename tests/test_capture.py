@@ -206,6 +206,47 @@ def test_instrument_leaves_the_model_untouched():
     assert not model.training
 
 
+class RootWithItsOwnStateDict(nn.Module):
+    """A root that customises its state dict: extra state, and old checkpoints' keys renamed on load."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.version = nn.Linear(4, 4), 3
+
+    def get_extra_state(self):
+        return {"version": self.version}
+
+    def set_extra_state(self, state):
+        self.version = state["version"]
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        if prefix + "fc.w" in state_dict:  # an old checkpoint's name
+            state_dict[prefix + "fc.weight"] = state_dict.pop(prefix + "fc.w")
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def forward(self, x):
+        return self.fc(x)
+
+
+def test_the_wrapper_s_state_dict_is_the_model_s_own():
+    """Saving and loading through the wrapper is the model's own: its extra state, its override
+    of loading, and hooks on its root (both ways between wrapper and model)."""
+    model = RootWithItsOwnStateDict()
+    model.register_state_dict_post_hook(lambda module, state, prefix, local: state.__setitem__(prefix + "format", torch.tensor(2)))
+    wrapper = fxflops.instrument(model)
+    wrapper(torch.randn(2, 4))
+    saved = model.state_dict()
+    assert list(wrapper.state_dict()) == list(saved) and "_extra_state" in saved and "format" in saved
+    assert list(nn.ModuleDict({"inner": wrapper}).state_dict()) == [f"inner.{k}" for k in saved]  # nested too
+    saved.pop("format")
+    model.version = 0
+    wrapper.load_state_dict(saved)
+    assert model.version == 3
+    old = {("fc.w" if k == "fc.weight" else k): v for k, v in saved.items()}
+    wrapper.load_state_dict(old)  # renamed by the model's own override
+    model.load_state_dict({k: v for k, v in wrapper.state_dict().items() if k != "format"})
+
+
 def test_capture_does_not_touch_real_buffers():
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))
     before = {k: v.clone() for k, v in model.state_dict().items()}
