@@ -354,7 +354,15 @@ class Instrumented(torch.nn.Module):
             return
         try:
             training = self.backward != "none" and torch.is_grad_enabled() and _requires_grad(out)
-            self.flops.add(found[0], self._monomials(*found), training, prefix=self.prefix, phase=phase)
+            program, monomials = found[0], self._monomials(*found)
+            nodes = _output_nodes(out) if training else ()
+            if nodes:  # the forward now, the backward when (and each time) one runs from the outputs
+                self.flops.add(program, monomials, False, prefix=self.prefix, phase=phase)
+                bill = _BackwardBill(self.flops, program, monomials, self.prefix)
+                for node in nodes:
+                    node.register_prehook(bill)
+            else:
+                self.flops.add(program, monomials, training, prefix=self.prefix, phase=phase)
             state = getattr(found[0], "state", None)
             if state is not None and not state.settled:  # after the call it was captured for (situation.py)
                 state.settle()
@@ -641,6 +649,41 @@ def _joined(prefix: str, path: str) -> str:
     return ".".join(p for p in (prefix, path) if p)
 
 
+def _output_nodes(out: Any) -> list:
+    """The autograd nodes of the output tensors that require grad; empty when one of them has none
+    (a leaf returned as it is: its backward cannot be seen starting, and is billed with the forward)."""
+    nodes: dict[int, Any] = {}
+    for tensor in [out] if isinstance(out, torch.Tensor) else output_tensors(out):
+        if tensor.requires_grad:
+            node = tensor.grad_fn
+            if node is None:
+                return []
+            nodes[id(node)] = node
+    return list(nodes.values())
+
+
+class _BackwardBill:
+    """A call's backward, added to the meter when a backward reaches the call's outputs: once per
+    backward pass (autograd's graph task; a pass reaching several outputs bills once), again for
+    each pass (``retain_graph``), never when none runs (an evaluation left in grad mode). A node
+    pre-hook: it leaves the gradients as they are, and never raises into the backward."""
+
+    __slots__ = ("meter", "program", "monomials", "prefix", "task")
+
+    def __init__(self, meter: Meter, program: Program, monomials: tuple, prefix: str) -> None:
+        self.meter, self.program, self.monomials, self.prefix, self.task = meter, program, monomials, prefix, None
+
+    def __call__(self, grad_outputs: Any) -> None:
+        task = torch._C._current_graph_task_id()
+        if task == self.task:
+            return
+        self.task = task
+        try:
+            self.meter.add(self.program, self.monomials, prefix=self.prefix, call=False, backward=True)
+        except Exception:  # noqa: BLE001, S110 - a backward is never broken by telemetry
+            self.meter.not_counted()
+
+
 def _requires_grad(out: Any) -> bool:
     """True if any tensor in the output requires grad (so a backward can follow this forward). An
     output holding an iterator (a generator) hides its tensors until consumed: whether a backward
@@ -673,9 +716,14 @@ def instrument(
     ``dims``, ``segments``, ``per_segment``, ``strict_metadata`` and ``backward`` as for
     :func:`fxflops.trace` (``dims=None``: every input dim free unless the code pins it; segment
     families found automatically). With ``backward``, a call made with grad enabled whose output
-    requires grad counts its backward (and recompute) too, on the assumption that a backward from its
-    output follows; a forward under ``torch.no_grad()`` is its own situation, captured and counted as
-    a forward.
+    requires grad is captured with its backward; its forward is counted when it runs, its backward
+    (and recompute) when a backward reaches its outputs: once per backward pass, each pass (a
+    retained graph), never when none runs (an evaluation left in grad mode). The traced backward
+    starts from the loss or every floating output; a backward from some of them, or to some inputs
+    only (``autograd.grad(loss, x)``, ``backward(inputs=...)``), is billed as that whole backward. A
+    measured call's symbolic children and calls through ``torch.compile`` bill their backward with
+    the forward. A forward under ``torch.no_grad()`` is its own situation, captured and counted as a
+    forward.
 
     ``meter`` shares one Meter between several wrappers: the pipeline stages or virtual-pipeline chunks
     a rank runs, each instrumented on its own, count every layer once however the schedule interleaves

@@ -32,6 +32,7 @@ from fxflops.situation import STRUCTURE
 
 _FOLD_EVERY = 256  # pending calls per accumulator before they are summed (reads fold them too)
 TRAINING = "training"  # the kind of a call that adds every phase its program has
+BACKWARD = "backward"  # the kind of a backward that ran from a call's outputs: its program's bwd and recompute
 FORWARD_KINDS = ("fwd", "prefill", "decode")  # kinds of forward-only calls, each counted as its own phase
 PHASES = ("fwd", "bwd", "recompute", "prefill", "decode")
 
@@ -77,15 +78,17 @@ class Meter:
 
     def add(
         self, program: Program, monomials: tuple[int, ...], training: bool = True, prefix: str = "", phase: str = "fwd",
-        call: bool = True,
+        call: bool = True, backward: bool = False,
     ) -> None:
         """Add one call's monomial vector for ``program`` (``training=False``: forward only, counted
         as ``phase``: one of :data:`FORWARD_KINDS`). ``prefix`` is the module path the program's root
         ran at (a compiled graph of a submodule). ``call=False``: a part of a call counted already
-        (a measured call's modules and its backward, ``fxflops/islands.py``)."""
+        (a measured call's modules and its backward, ``fxflops/islands.py``). ``backward``: the
+        backward of a call whose forward was added (its program's backward and recompute phases),
+        added when that backward ran."""
         if phase not in FORWARD_KINDS:
             raise ValueError(f"phase must be one of {FORWARD_KINDS}, not {phase!r}")
-        kind = TRAINING if training else phase
+        kind = BACKWARD if backward else TRAINING if training else phase
         key = (id(program), kind, prefix)
         with self._lock:  # calls from several threads add up exactly
             pending = self._pending.get(key)
@@ -118,6 +121,8 @@ class Meter:
         """The program phases a kind of call contributes to a query for ``phase``."""
         if kind == TRAINING:
             return phase if phase not in FORWARD_KINDS[1:] else ()
+        if kind == BACKWARD:
+            return tuple(p for p in ("bwd", "recompute") if phase in (None, p))
         return ("fwd",) if phase in (None, kind) else ()
 
     def total(self, phase: str | None = None, convention: Convention | None = None, _hosted: list | None = None) -> int:
@@ -181,7 +186,7 @@ class Meter:
         """Sum over the counted calls of one symbol's value (e.g. ``"tokens"``): 0 when nothing was
         counted, None when calls were counted and no program has a symbol of that name (a misspelt
         or zero-configuration name: ``input_ids_1``; see :meth:`symbol_names`)."""
-        hosted = _hosted if _hosted is not None else self._on_host()
+        hosted = [entry for entry in (_hosted if _hosted is not None else self._on_host()) if entry[2] != BACKWARD]  # calls once
         columns = [(acc, program.layout.column(name)) for program, acc, _, _ in hosted]
         if hosted and all(column is None for _, column in columns):
             return None
@@ -202,7 +207,9 @@ class Meter:
         sums = {name: self.symbol_total(symbol, hosted) for name, symbol in (counters or {}).items() if symbol}
         sums = {name: total for name, total in sums.items() if total is not None}  # no such symbol: unknown, not 0
         malformed: dict[str, int] = {}
-        for program, acc, _, _ in hosted:
+        for program, acc, kind, _ in hosted:
+            if kind == BACKWARD:  # the call's forward entry has it
+                continue
             for name, n in program.malformed(acc).items():
                 malformed[name] = malformed.get(name, 0) + n
         return sums | {

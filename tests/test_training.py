@@ -20,7 +20,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 import fxflops
 from fxflops.models.tiny_gpt import GPTConfig, TinyGPT
-from reference import model_training_reference_total, per_module_training_reference, training_reference_total
+from reference import flop_counter_with_cpu_attention, model_training_reference_total, per_module_training_reference, training_reference_total
 from zoo import CASES
 
 DRAWS_PER_MODEL = 10  # 5 models -> 50 random shapes (the long suite: 25 each)
@@ -88,11 +88,45 @@ def test_forward_under_no_grad_counts_forward_only():
     assert wrapper.flops.total(phase="bwd") == 0
     assert wrapper.flops.total() == wrapper.program.total(phase="fwd", input_ids_0=2, input_ids_1=9)
     assert wrapper.program.backward == "none"  # grad mode is part of the situation: a forward program
-    wrapper(ids)
+    wrapper(ids).sum().backward()
     training = wrapper.programs[-1]
     assert wrapper.captures == 2 and training.backward == "traced"
     assert wrapper.flops.total(phase="bwd") == training.total(phase="bwd", input_ids_0=2, input_ids_1=9) > 0
     assert training.total(phase="fwd", input_ids_0=2, input_ids_1=9) == wrapper.program.total(input_ids_0=2, input_ids_1=9)
+
+
+def _flop_counter(run) -> int:
+    with flop_counter_with_cpu_attention(), flop_counter.FlopCounterMode(display=False) as counter:
+        run()
+    return counter.get_total_flops()
+
+
+def test_the_backward_is_counted_when_it_runs_and_each_time():
+    """A call in grad mode adds its forward; its backward is added when a backward reaches its
+    outputs: not at all for an evaluation left in grad mode, twice for two passes over a retained
+    graph, once per call for microbatches whose losses are summed into one backward."""
+    torch.manual_seed(0)
+    model = TinyGPT(GPTConfig(vocab=100, hidden=32, heads=2, kv_heads=1, ffn=48, layers=2))
+    wrapper = fxflops.instrument(model, backward=True)
+    ids = [torch.randint(0, 100, (2, n)) for n in (9, 5)]
+    wrapper(ids[0]).sum().backward()  # captured
+
+    def twice(f):
+        out = f(ids[0]).sum()
+        out.backward(retain_graph=True)
+        out.backward()
+
+    cases = {
+        "no backward follows": lambda f: f(ids[0]),
+        "two backwards of one graph": twice,
+        "two microbatches, one backward": lambda f: (f(ids[0]).sum() + f(ids[1]).sum()).backward(),
+        "a backward from part of the output": lambda f: f(ids[1])[:, :3].sum().backward(),
+    }
+    for label, run in cases.items():
+        wrapper.flops.reset()
+        run(wrapper)
+        assert wrapper.flops.uncounted == 0, label
+        assert wrapper.flops.total() == _flop_counter(lambda: run(model)), label
 
 
 def test_partially_frozen_model_counts_only_the_gradients_autograd_computes():
