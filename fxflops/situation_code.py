@@ -32,7 +32,7 @@ recompile per call would be under Dynamo), while a lazily made value (``if _TABL
 fills in place and never reads otherwise (a log, ``self.records.append(...)``): ``situation.py``
 compares those by identity. Attributes the code reads on a module, a class or a plain object it
 names as a global, a closure variable or a parameter's default (``settings.EXTRA``,
-``pkg.layers.attention(...)``, ``os.environ.get("X")``, ``Flags.FUSED``, ``ARGS.deep.n``,
+``pkg.layers.attention(...)``, ``os.environ.get("X")`` and ``os.getenv("X")``, ``Flags.FUSED``, ``ARGS.deep.n``,
 ``BLOCKS["vit"].extra``; through a local assigned once, ``args = get_args(); args.flag``, where
 ``get_args`` returns a global) are reads of the namespace holding each value on the way (the objects and
 modules passed by identity), and so are the attributes it reads on an object's class
@@ -933,6 +933,8 @@ def _read(label: str, namespace: Any, key: str | None, value: Any) -> CodeRead |
         return CodeRead(label, namespace, key, SameTensor(value), "==")
     if isinstance(value, functools.partial) and plain(value.args) and plain(value.keywords):
         return CodeRead(label, namespace, key, SamePartial(value), "==")  # its settings, changed in place too
+    if value is os.getenv:  # a function of the environment: its contents, as os.environ.get(...) reads them
+        return CodeRead(f"{label} (os.environ)", vars(os), "environ", RegistryContents(os.environ), "==")
     if isinstance(value, _CALLABLES):  # a helper patched in: another situation
         return CodeRead(label, namespace, key, value, "is")
     if isinstance(value, collections.abc.Mapping):  # a registry object, not a dict: the dicts it keeps

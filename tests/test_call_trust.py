@@ -27,6 +27,7 @@ import os
 import pickle
 import sys
 import types
+from os import getenv
 
 import pytest
 import torch
@@ -1560,6 +1561,38 @@ def test_attributes_a_class_resolves_itself_guard_their_programs(backward):
         ("a held object's __getattr__ dict", lambda: model.settings._values.update(wide=True)),
         ("the module's __getattr__ dict", lambda: model._knobs.update(twice=True)),
         ("all back", lambda: (model.config.__setattr__("num_hidden_layers", 1), model.settings._values.update(wide=False), model._knobs.update(twice=False))),
+    ]:
+        change()
+        _check(wrapper, model, backward, label)
+
+
+class ThroughGetenv(nn.Module):
+    """Reads the environment only through ``os.getenv`` (and imported by name)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.fc(x)
+        if os.getenv("FXFLOPS_TEST_GETENV") == "1":
+            h = self.fc(h)
+        if getenv("FXFLOPS_TEST_GETENV_BY_NAME", "0") == "1":
+            h = self.fc(h)
+        return h
+
+
+@pytest.mark.parametrize("backward", [False, True])
+def test_environment_variables_read_with_getenv_guard_their_programs(backward, monkeypatch):
+    monkeypatch.delenv("FXFLOPS_TEST_GETENV", raising=False)
+    monkeypatch.delenv("FXFLOPS_TEST_GETENV_BY_NAME", raising=False)
+    model = ThroughGetenv()
+    wrapper = fxflops.instrument(model, backward=backward)
+    for label, change in [
+        ("traced", lambda: None),
+        ("os.getenv", lambda: monkeypatch.setenv("FXFLOPS_TEST_GETENV", "1")),
+        ("getenv imported by name", lambda: monkeypatch.setenv("FXFLOPS_TEST_GETENV_BY_NAME", "1")),
+        ("both back", lambda: (monkeypatch.delenv("FXFLOPS_TEST_GETENV"), monkeypatch.delenv("FXFLOPS_TEST_GETENV_BY_NAME"))),
     ]:
         change()
         _check(wrapper, model, backward, label)
