@@ -6,7 +6,9 @@ the trace's mode on the worker thread, concurrently with the tracing thread. Tha
 graph (the tracer's modes are the tracing thread's), and the mode's per-thread state is left
 inconsistent: torch later aborts the process ("trying to set the current FakeTensorMode, but one
 already exists"). :class:`ThreadBoundFakeMode` refuses to be entered from any other thread, before
-it changes anything there; the worker's op raises :class:`~fxflops.errors.OtherThreadError`, and
+it changes anything there, except by autograd's engine running a backward the trace started (its
+device threads run the nodes of CUDA tensors, fake ones too, with the tracing thread's modes and
+waiting for it: inside a graph task); the worker's op raises :class:`~fxflops.errors.OtherThreadError`, and
 :meth:`ThreadBoundFakeMode.check` raises it in the tracing thread too when the model's code caught
 the worker's error (a trace missing that work must not become a program).
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fxflops.errors import OtherThreadError
@@ -30,7 +33,7 @@ class ThreadBoundFakeMode(FakeTensorMode):
         self.other_thread: str | None = None  # the name of a thread that tried to compute with the fakes
 
     def __enter__(self) -> ThreadBoundFakeMode:
-        if threading.get_ident() != self.owner:
+        if threading.get_ident() != self.owner and torch._C._current_graph_task_id() == -1:
             self.other_thread = threading.current_thread().name
             raise OtherThreadError(self._message())
         return super().__enter__()
