@@ -64,7 +64,7 @@ def _key(value: Any, shapes: bool, held: list[int] | None) -> Any:
     if kind in _EXACT_SCALARS or isinstance(value, SCALARS):
         if kind is int and held is not None and held[1] and not shapes:  # an object's integer: a symbol (capture/inputs.py)
             return _HELD_INT
-        if kind is float and (value == 0 or value != value):  # 0.0 and -0.0 are equal, NaN is not equal to itself: by bits
+        if kind is float and _by_bits(value):
             return (kind, value.hex())
         if kind is slice:  # not hashable before Python 3.12
             return (kind, _slice_fields(value))
@@ -142,6 +142,12 @@ def described_layout(key: Any) -> str:
 
 
 _ARRAY_BYTES = 1 << 16  # a numpy array argument keyed by its contents up to this size
+
+
+def _by_bits(value: float) -> bool:
+    """Whether a float is keyed by its bits: 0.0 and -0.0 are equal (and hash equal), NaN is not
+    equal to itself."""
+    return value == 0 or value != value
 
 
 def _slice_fields(value: slice) -> tuple:
@@ -396,7 +402,7 @@ class _Tests:
         elif kind in _EXACT_SCALARS or isinstance(value, SCALARS):
             if kind is int and held is not None and held[1] and not shapes:
                 self._fail_if(other_type)
-            elif kind is float and (value == 0 or value != value):  # 0.0, -0.0 and NaN (which == cannot tell apart), by bits, as _key keys them
+            elif kind is float and _by_bits(value):  # as _key keys it
                 self._fail_if(f"{other_type} or {x}.hex() != {self._constant(value.hex())}")
             else:  # a key's tuple compares its items by identity, then ==
                 c = self._constant(value)

@@ -752,16 +752,20 @@ def _not_on_instance(obj: Any, label: str, path: str, held: str | None, name: st
     guards = [] if name in _ROUTED else [StateGuard(f"{label} (on the instance)", path, held, name, None, "is", "absent")]
     if owner is not None:
         value = vars(owner)[name]
-        test = "==" if plain(value) and not isinstance(value, (bool, type(None))) else "is"
-        guards.append(StateGuard(f"{owner.__qualname__}.{name} (class attribute)", path, held, name, copied(value), test, "class"))
+        guards.append(StateGuard(f"{owner.__qualname__}.{name} (class attribute)", path, held, name, copied(value), _test_for(value), "class"))
     elif _resolves_names_itself(type(obj)):  # an alias (a transformers config's attribute_map), a dict behind __getattr__
         try:
             value = getattr(obj, name)
         except Exception:  # noqa: BLE001 - absent: the "absent" guard says so
             return guards
-        test = "==" if plain(value) and not isinstance(value, (bool, type(None))) else "is"
-        guards.append(StateGuard(f"{label} (as {type(obj).__name__} resolves it)", path, held, name, copied(value), test, "computed"))
+        guards.append(StateGuard(f"{label} (as {type(obj).__name__} resolves it)", path, held, name, copied(value), _test_for(value), "computed"))
     return guards
+
+
+def _test_for(value: Any) -> str:
+    """How a value read off the instance is compared: plain values by ``==`` (flags and None, and
+    objects, by identity)."""
+    return "==" if plain(value) and not isinstance(value, (bool, type(None))) else "is"
 
 
 def _resolves_names_itself(cls: type) -> bool:
