@@ -161,7 +161,6 @@ class Instrumented(torch.nn.Module):
         self._modules = model._modules
         for hooks in _STATE_DICT_HOOKS:  # the root's state_dict and load hooks are the model's
             setattr(self, hooks, getattr(model, hooks))
-        self.training = model.training
         object.__setattr__(self, "model", model)  # what a call runs
         object.__setattr__(self, "traced", traced_module(model))  # whose code a capture traces
         self.dims = dims
@@ -215,9 +214,21 @@ class Instrumented(torch.nn.Module):
         """The first captured program (``None`` before the first call)."""
         return self.programs[0] if self.programs else None
 
+    @property
+    def training(self) -> bool:
+        """The model's own flag: ``model.train()``/``model.eval()`` called on the model, not on this
+        wrapper, shows here too (a framework reading ``wrapper.training`` sees the model's mode)."""
+        model = self.__dict__.get("model")
+        return True if model is None else model.training
+
+    @training.setter
+    def training(self, mode: bool) -> None:  # nn.Module.__init__ sets it before the model is held
+        model = self.__dict__.get("model")
+        if model is not None:
+            model.training = mode
+
     def train(self, mode: bool = True) -> Instrumented:
         self.model.train(mode)
-        self.training = mode
         return self
 
     def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:

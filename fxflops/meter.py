@@ -258,6 +258,7 @@ class Meter:
         tokens: str | None = None,
         images: str | None = None,
         group: Any = None,
+        all_ranks: bool = True,
         reset: bool = True,
     ) -> Report:
         """A :class:`Report` of everything since the last report (then the meter starts over).
@@ -267,7 +268,10 @@ class Meter:
         ``device``'s name and ``dtype`` is looked up (no MFU, with the reason, when unknown).
         ``tokens``/``images`` name the symbols whose sums are the tokens and images processed. With a
         ``torch.distributed`` group (or the default one when initialised with several ranks) the
-        numbers are summed over it in one collective and TFLOP/s are per GPU.
+        numbers are summed over it in one collective and TFLOP/s are per GPU: then every rank of the
+        group must call ``report()`` (log on one), as for any collective — called on one rank alone it
+        waits for the others. ``all_ranks=False`` reports this rank's own numbers, with no collective
+        (safe inside ``if rank == 0:``).
         """
         import torch.distributed as dist
 
@@ -281,8 +285,9 @@ class Meter:
             if symbol and counter not in totals and self.calls:
                 warn(f"fxflops: report({counter}={symbol!r}): no program has a symbol of that name, so {counter} per second "
                      f"are unknown; the programs' symbols: {', '.join(self.symbol_names()) or 'none'}", stacklevel=2)
-        distributed = group is not None or (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
+        distributed = all_ranks and (group is not None or (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1))
         world_size = dist.get_world_size(group) if distributed else 1
+        alone = not all_ranks and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         if distributed:
             totals = self.all_reduce(totals, group)
         if peak_flops is not None and not float(peak_flops) > 0:  # 0, negative or NaN: no utilisation to divide by
@@ -308,6 +313,7 @@ class Meter:
             malformed=totals["malformed"],
             unsupported=sorted({u.op for p, *_ in self._sums.values() for u in p.unsupported}),
             measured=self.measured(),
+            rank=dist.get_rank() if alone else None,
         )
         if report.malformed:
             warn(f"fxflops: {report.malformed_text()}", stacklevel=2)
@@ -336,8 +342,9 @@ class Meter:
 @dataclass
 class Report:
     """What a training run logs every N steps (see :meth:`Meter.report`). FLOPs are global (summed
-    over ranks); rates are per GPU. ``peak_flops`` is ``None`` when the device's peak is unknown:
-    then there is no MFU and ``peak_source`` says why."""
+    over ranks; ``rank`` set: that rank's own, ``report(all_ranks=False)``); rates are per GPU.
+    ``peak_flops`` is ``None`` when the device's peak is unknown: then there is no MFU and
+    ``peak_source`` says why."""
 
     steps: int
     elapsed_s: float
@@ -355,6 +362,7 @@ class Report:
     generated_tokens: int = 0  # tokens generate() produced (every row's, prompt excluded)
     unsupported: list[str] = field(default_factory=list)  # ops with no rule: FLOPs are a lower bound
     measured: dict[str, str] = field(default_factory=dict)  # module -> why its own code was measured per call
+    rank: int | None = None  # the rank whose own numbers these are in a multi-rank run (no collective)
 
     def malformed_text(self) -> str:
         """The calls whose metadata on a device was malformed, or whose sizes derived on a device fell
@@ -444,7 +452,7 @@ class Report:
     def __str__(self) -> str:
         mfu = f"MFU {100 * self.mfu:.1f}% HFU {100 * self.hfu:.1f}%" if self.mfu is not None else f"no MFU ({self.peak_source})"
         lines = [
-            f"{self.steps} step(s) in {self.elapsed_s:.3f} s on {self.world_size} device(s): "
+            f"{self.steps} step(s) in {self.elapsed_s:.3f} s {self._where_text()}: "
             f"{self.tflops_per_gpu:.4g} TFLOP/s per GPU{self._divisor_text()}, {mfu}",
             f"  per step: fwd {self.flops.get('fwd', 0) / self.steps:,.0f}  bwd {self.flops.get('bwd', 0) / self.steps:,.0f}  "
             f"recompute {self.flops.get('recompute', 0) / self.steps:,.0f} FLOPs ({self.convention.name})",
@@ -470,6 +478,9 @@ class Report:
         for path, reason in self.measured.items():
             lines.append(f"  measured per call: {path or '<root>'}'s own code ({reason.splitlines()[0][:160]})")
         return "\n".join(lines)
+
+    def _where_text(self) -> str:
+        return f"on {self.world_size} device(s)" if self.rank is None else f"on rank {self.rank} alone (all_ranks=False)"
 
     def _divisor_text(self) -> str:
         return f" (the {self.world_size} ranks' global FLOPs / time / {self.world_size})" if self.world_size > 1 else ""

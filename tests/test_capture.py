@@ -206,6 +206,30 @@ def test_instrument_leaves_the_model_untouched():
     assert not model.training
 
 
+def test_the_wrapper_training_flag_is_the_models_whichever_side_sets_it():
+    """A loop or framework reading ``wrapper.training`` (Lightning, HF Trainer, a user's own check)
+    sees the mode the model runs in, also when ``train()``/``eval()`` was called on the model itself,
+    and a copy keeps its own flag."""
+    import copy
+    import pickle
+
+    model = TinyGPT(GPTConfig(vocab=100, hidden=32, heads=2, kv_heads=1, ffn=48, layers=1))
+    model.eval()
+    wrapper = fxflops.instrument(model)
+    assert wrapper.training is False
+    model.train()
+    assert wrapper.training is True
+    model.eval()
+    assert wrapper.training is False and "training" not in vars(wrapper)
+    wrapper.train()
+    assert model.training and model.layers[0].training and wrapper.training
+    wrapper.training = False  # as torch's own Module.train sets it
+    assert model.training is False
+    for twin in (copy.deepcopy(wrapper), pickle.loads(pickle.dumps(wrapper))):
+        twin.train()
+        assert twin.training and twin.model.training and not wrapper.training
+
+
 class RootWithItsOwnStateDict(nn.Module):
     """A root that customises its state dict: extra state, and old checkpoints' keys renamed on load."""
 

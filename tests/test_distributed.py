@@ -306,3 +306,30 @@ def test_pipeline_schedules_count_every_layer_once_per_microbatch(schedule):
     x = torch.randn(8, 5, 16, generator=torch.Generator().manual_seed(1))
     expected = 2 * sum(flop_counter_call(whole, (mb,), {}, backward=True) for mb in x.chunk(MICROBATCHES))
     assert results[0] == results[1] == expected
+
+
+def _report_on_one_rank(rank: int, world: int, port: int, results) -> None:
+    """One training step per rank; rank 0 alone reports its own numbers (``all_ranks=False``: no
+    collective, so it returns while rank 1 waits at the barrier), then every rank reports the group's."""
+    _init(rank, world, port)
+    torch.manual_seed(0)
+    wrapper = fxflops.instrument(TinyGPT(CFG), backward=True, strict=True)
+    wrapper(_batch(rank, 0)).float().mean().backward()
+    wrapper.flops.step()
+    alone = None
+    if rank == 0:
+        report = wrapper.flops.report(elapsed_s=1.0, peak_flops=1e12, all_ranks=False, reset=False)
+        alone = (report.hardware_flops, report.world_size, report.rank, str(report).splitlines()[0])
+    dist.barrier()
+    results[rank] = (alone, wrapper.flops.report(elapsed_s=1.0, peak_flops=1e12).hardware_flops)
+    dist.destroy_process_group()
+
+
+def test_a_report_on_one_rank_alone_is_that_ranks_own_and_waits_for_no_other():
+    world = 2
+    results = spawn(_report_on_one_rank, world, timeout=120.0)
+    expected = [flop_counter_call(TinyGPT(CFG), (_batch(rank, 0),), {}, backward=True) for rank in range(world)]
+    flops, world_size, rank, first_line = results[0][0]
+    assert (flops, world_size, rank) == (expected[0], 1, 0)
+    assert "on rank 0 alone (all_ranks=False)" in first_line
+    assert results[0][1] == results[1][1] == sum(expected)  # the collective report still sums the group
