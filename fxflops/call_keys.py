@@ -7,7 +7,8 @@ situation, ``fxflops/situation.py``), and the fast test that a call has a key se
 containers by structure; other objects (a cache, a config passed in) by type and contents, their
 tensors as inputs (without sizes: those are symbols the binder reads, so one decode program serves
 every length of a key-value cache); functions and modules by identity. :class:`CallKeys` keys a
-whole call by parameter name, defaults filled in.
+whole call by parameter name, defaults filled in, and adds which of its input tensors are one
+object (:func:`aliases`).
 
 Building and hashing a key walks every value an argument holds (a key-value cache: every layer).
 :meth:`CallKeys.check` generates, from one call, straight-line code that tests whether another call
@@ -48,17 +49,39 @@ def value_key(value: Any, shapes: bool = False) -> Any:
     return _key(value, shapes, None)
 
 
-def argument_key(value: Any) -> Any:
+def argument_key(value: Any, tensors: list | None = None) -> Any:
     """:func:`value_key` of a call's argument: the tensors an argument object holds are inputs of the
     trace down to ``MAX_HELD_DEPTH`` objects deep (``capture/inputs.py``: their sizes are symbols
-    the binder reads), so they are keyed without their sizes; deeper ones by shape."""
-    return _key(value, False, [_BUDGET, 0])
+    the binder reads), so they are keyed without their sizes; deeper ones by shape. The tensors met
+    are appended to ``tensors`` (for :func:`aliases`)."""
+    return _key(value, False, [_BUDGET, 0, [] if tensors is None else tensors])
 
 
-def _key(value: Any, shapes: bool, held: list[int] | None) -> Any:
-    """``held``: None outside argument objects' inputs, else [values left, object depth]."""
+ALIASED = "(one tensor in several places)"  # the name of a call key's part saying which inputs are one tensor
+
+
+def aliases(tensors: list) -> tuple:
+    """The part of a call's key that says which of its input tensors (in the order the key met them)
+    are one and the same object: ``()`` when all are distinct (the common case), else
+    ``((ALIASED, groups),)``, each group the positions of one tensor. A trace keeps that identity
+    (the fake of a tensor passed twice is one fake), and model code may branch on it (``if key is
+    value``, ``nn.MultiheadAttention``'s packed projection), so ``model(x, x)`` and ``model(x, y)``
+    are two situations."""
+    if len(set(map(id, tensors))) == len(tensors):
+        return ()
+    positions: dict[int, list[int]] = {}
+    for i, tensor in enumerate(tensors):
+        positions.setdefault(id(tensor), []).append(i)
+    return ((ALIASED, tuple(tuple(group) for group in positions.values() if len(group) > 1)),)
+
+
+def _key(value: Any, shapes: bool, held: list | None) -> Any:
+    """``held``: None outside argument objects' inputs, else [values left, object depth, the tensors
+    met so far]."""
     kind = type(value)
     if kind is torch.Tensor or isinstance(value, torch.Tensor):
+        if held is not None:
+            held[2].append(value)
         key = (kind, value.dtype, value.device, value.requires_grad, value.dim(), layout_key(value), attributes_key(value))
         return key + (tuple(value.shape),) if shapes else key
     if kind in _EXACT_SCALARS or isinstance(value, SCALARS):
@@ -87,6 +110,7 @@ def _key(value: Any, shapes: bool, held: list[int] | None) -> Any:
     for name, v in state.items():  # the common values inline (a cache holds many): as _key keys them
         t = type(v)
         if t is torch.Tensor and not deep:
+            held[2].append(v)
             items.append((name, (t, v.dtype, v.device, v.requires_grad, v.dim(), layout_key(v), attributes_key(v))))
         elif t is int and not deep:
             items.append((name, _HELD_INT))
@@ -266,19 +290,20 @@ class CallKeys:
 
     def _compile(self, args: tuple, kwargs: dict) -> Callable[[tuple, dict], tuple]:
         """The key of calls laid out like this one: straight-line code, defaults as constants."""
-        scope: dict[str, Any] = {"_vk": argument_key, "_sk": _symbolic_key}
+        scope: dict[str, Any] = {"_vk": argument_key, "_sk": _symbolic_key, "_aliases": aliases}
         parts = []
         for i, (name, where, default) in enumerate(self._plan(args, kwargs)):
             if where is None and _mutable(default):  # keyed as it is at each call
                 scope[f"_m{i}"] = default
-                parts.append(f"({name!r}, _vk(_m{i}))")
+                parts.append(f"({name!r}, _vk(_m{i}, _t))")
             elif where is None:
                 scope[f"_c{i}"] = (name, value_key(default))
                 parts.append(f"_c{i}")
             else:
                 key = "_sk" if name in self._symbolic else "_vk"
-                parts.append(f"({name!r}, {key}({'args' if type(where) is int else 'kwargs'}[{where!r}]))")
-        exec(compile(f"def key(args, kwargs):\n    return ({', '.join(parts)}{',' if parts else ''})\n", "<fxflops call key>", "exec"), scope)  # noqa: S102
+                parts.append(f"({name!r}, {key}({'args' if type(where) is int else 'kwargs'}[{where!r}], _t))")
+        source = f"def key(args, kwargs):\n    _t = []\n    return ({', '.join(parts)}{',' if parts else ''}) + _aliases(_t)\n"
+        exec(compile(source, "<fxflops call key>", "exec"), scope)  # noqa: S102
         return scope["key"]
 
     def _plan(self, args: tuple, kwargs: dict) -> tuple:
@@ -315,14 +340,15 @@ class CallKeys:
             for i, (name, where, default) in enumerate(self._plan(args, kwargs)):
                 if where is None and _mutable(default):
                     tests.scope[f"_m{i}"] = default
-                    tests.add(default, f"_m{i}", False, [_BUDGET, 0])
+                    tests.add(default, f"_m{i}", False, [_BUDGET, 0, tests.tensors])
                 elif where is not None:
                     source = "args" if type(where) is int else "kwargs"
                     value = args[where] if type(where) is int else kwargs[where]
                     if name in self._symbolic and type(value) is int:
                         tests.add_int(f"{source}[{where!r}]")
                     else:
-                        tests.add(value, f"{source}[{where!r}]", False, [_BUDGET, 0])
+                        tests.add(value, f"{source}[{where!r}]", False, [_BUDGET, 0, tests.tensors])
+            tests.add_aliases()
         except _TooLarge:
             return None
         check = tests.function()
@@ -350,9 +376,9 @@ def _mutable(default: Any) -> bool:
     return not callable(default)  # a function default: keyed by its code and closure, as a constant
 
 
-def _symbolic_key(value: Any) -> Any:
+def _symbolic_key(value: Any, tensors: list) -> Any:
     """The key of an argument whose Python int is a symbol: ``int`` for any int, else as any value."""
-    return _HELD_INT if type(value) is int else argument_key(value)
+    return _HELD_INT if type(value) is int else argument_key(value, tensors)
 
 
 _MAX_TESTS = 4096  # lines of one generated check; a call holding more keeps the general path
@@ -369,12 +395,15 @@ class _Tests:
     def __init__(self) -> None:
         self.lines: list[str] = []
         self.scope: dict[str, Any] = {}
+        self.tensors: list[tuple[str, torch.Tensor]] = []  # (local, tensor) met where the key records them
 
-    def add(self, value: Any, source: str, shapes: bool, held: list[int] | None) -> None:
+    def add(self, value: Any, source: str, shapes: bool, held: list | None) -> None:
         """Tests for ``value``, found at ``source`` (mirrors :func:`_key` line by line)."""
         kind, x = type(value), self._local(source)
         other_type = f"type({x}) is not {self._constant(kind)}"
         if kind is torch.Tensor or isinstance(value, torch.Tensor):
+            if held is not None:
+                held[2].append((x, value))
             failing = [
                 other_type, f"{x}.dtype is not {self._constant(value.dtype)}", self._other_device(x, value.device),
                 f"{x}.requires_grad is not {value.requires_grad}", f"{x}.dim() != {value.dim()}",
@@ -455,6 +484,17 @@ class _Tests:
         """The test that ``function``'s default values are still the objects ``defaults``."""
         f, d = self._constant(function), self._constant(defaults)
         self._fail_if(f"getattr({f}, '__defaults__', None) is not {d}[0] or getattr({f}, '__kwdefaults__', None) is not {d}[1]")
+
+    def add_aliases(self) -> None:
+        """The test that the tensors met are one object where this call's were and distinct where
+        its were distinct (:func:`aliases`)."""
+        firsts: dict[int, str] = {}
+        for x, tensor in self.tensors:
+            first = firsts.setdefault(id(tensor), x)
+            if first != x:
+                self._fail_if(f"{x} is not {first}")
+        if len(firsts) > 1:
+            self._fail_if(f"len({{{', '.join(f'id({x})' for x in firsts.values())}}}) != {len(firsts)}")
 
     def add_int(self, source: str) -> None:
         """The test for an argument whose Python int is a symbol: any int."""

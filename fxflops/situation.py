@@ -53,7 +53,7 @@ from torch.nn.modules import module as nn_module
 from torch.utils.hooks import RemovableHandle
 
 from fxflops.analysis.paths import inside, moved
-from fxflops.call_keys import SCALARS, described_layout, value_key
+from fxflops.call_keys import ALIASED, SCALARS, described_layout, value_key
 from fxflops.capture.reads import Reads, module_at, named_modules
 from fxflops.errors import InputError
 from fxflops.situation_code import (
@@ -116,12 +116,23 @@ def describe_difference(traced: tuple, now: tuple) -> str:
             return f"{name} is {_shown(b)}, the program was traced with {_shown(a)}"
     given_a, given_b = dict(call_a), dict(call_b)
     differences = [
-        f"argument {name!r} is {_described(given_b.get(name))}, the program was traced with {_described(given_a.get(name))}"
+        _aliasing_difference(given_a.get(name), given_b.get(name)) if name == ALIASED
+        else f"argument {name!r} is {_described(given_b.get(name))}, the program was traced with {_described(given_a.get(name))}"
         for name in [*given_a, *(n for n in given_b if n not in given_a)]
         if given_a.get(name) != given_b.get(name)
     ]
     shown = "; ".join(differences[:4]) + (f"; and {len(differences) - 4} more" if len(differences) > 4 else "")
     return shown or "the call differs from the traced one"
+
+
+def _aliasing_difference(traced: tuple | None, now: tuple | None) -> str:
+    """Which input tensors are one object (``call_keys.aliases``: positions in the order the call's
+    arguments hold them), now and when traced, in words."""
+    def said(groups: tuple | None) -> str:
+        if not groups:
+            return "every input tensor distinct"
+        return "; ".join(f"input tensors {' and '.join(f'#{i}' for i in group)} one object" for group in groups)
+    return f"this call has {said(now)}, the program was traced with {said(traced)}"
 
 
 def _shown(value: Any) -> str:

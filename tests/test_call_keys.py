@@ -70,6 +70,7 @@ def _base() -> tuple[tuple, dict]:
         "none": None,
         "zero": 0.0,
         "nan": float("nan"),
+        "twin": torch.zeros(3),  # made one object with pair's tensor below
     }
     return args, kwargs
 
@@ -99,6 +100,13 @@ def _changes() -> dict[str, object]:
             setattr(n, attribute, value)
             return args, kwargs
         return change
+
+    def aliased(args, kwargs):  # noqa: ANN001, ANN202
+        return args, {**kwargs, "twin": kwargs["pair"][1][0]}
+
+    def layer_aliased(args, kwargs):  # noqa: ANN001, ANN202
+        args[1].layers[0].values = args[1].layers[0].keys
+        return args, kwargs
 
     def arg(i, value):  # noqa: ANN001, ANN202
         def change(args, kwargs):  # noqa: ANN001, ANN202
@@ -151,6 +159,8 @@ def _changes() -> dict[str, object]:
         "nan another object": kw("nan", float("nan")),  # NaN != NaN: still the same value
         "nan to a number": kw("nan", 1.0),
         "option added": kw("verbose", True),
+        "one tensor in two arguments": aliased,
+        "one tensor in two attributes of an argument object": layer_aliased,
     }
 
 
@@ -211,3 +221,31 @@ def test_keys_are_hashable_with_every_value_kind():
     again_kwargs = {**again_kwargs, "module": _MODULE, "nan": float("nan")}
     assert hash(keys(base_args, base_kwargs)) == hash(keys(again_args, again_kwargs))
     assert {keys(base_args, base_kwargs): 1}[keys(again_args, again_kwargs)] == 1
+
+
+def test_which_tensors_are_one_object_is_part_of_the_key_in_both_directions():
+    """A call passing one tensor in two places and one passing two tensors are two situations
+    whichever was seen first; the same sharing with other tensor objects is the same situation."""
+    keys = CallKeys(forward)
+
+    def call(shared: bool) -> tuple[tuple, dict]:
+        args, kwargs = _base()
+        kwargs = {**kwargs, "module": _MODULE}
+        if shared:
+            kwargs["twin"] = kwargs["pair"][1][0]
+        return args, kwargs
+
+    for first in (True, False):
+        check = keys.check(*call(first))
+        for now in (True, False):
+            args, kwargs = call(now)
+            assert (keys(*call(first)) == keys(args, kwargs)) == (first == now)
+            assert check(args, kwargs) == (first == now), (first, now)
+    three = lambda t, u, v: ((t, u, v), {})  # noqa: E731
+    x, y = torch.zeros(2), torch.zeros(2)
+    patterns = {"x x y": three(x, x, y), "x y x": three(x, y, x), "x y y": three(x, y, y), "x x x": three(x, x, x), "x y z": three(x, y, torch.zeros(2))}
+    for name, (args, kwargs) in patterns.items():
+        check = keys.check(args, kwargs)
+        for other, (args2, kwargs2) in patterns.items():
+            assert (keys(args, kwargs) == keys(args2, kwargs2)) == (name == other), (name, other)
+            assert check(args2, kwargs2) == (name == other), (name, other)

@@ -1596,3 +1596,32 @@ def test_environment_variables_read_with_getenv_guard_their_programs(backward, m
     ]:
         change()
         _check(wrapper, model, backward, label)
+
+
+class SharedOrNot(nn.Module):
+    """Branches on whether two inputs are one tensor (as attention code does for ``key is value``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, a, pair):
+        h = self.fc(a)
+        if pair[0] is pair[1]:
+            return h + self.fc(pair[0])
+        return h + self.fc(pair[0]) @ self.fc.weight + self.fc(pair[1])
+
+
+@pytest.mark.parametrize("backward", [False, True])
+@pytest.mark.parametrize("first", ["shared", "distinct"])
+def test_one_tensor_passed_in_two_places_is_another_situation(first, backward):
+    """``model(a, [x, x])`` and ``model(a, [x, y])`` are counted each as it runs, whichever came first."""
+    torch.manual_seed(0)
+    model = SharedOrNot()
+    wrapper = fxflops.instrument(model, backward=backward)
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    calls = {"shared": (x, [x, x]), "distinct": (x, [x, y])}
+    order = [first, *(name for name in calls if name != first), first]
+    for name in order:
+        assert_counted_call(wrapper, model, calls[name], backward, (first, name))
+    assert wrapper.captures == 2
