@@ -6,7 +6,8 @@ situation, ``fxflops/situation.py``), and the fast test that a call has a key se
 (:func:`attributes_key`); the value of every Python scalar, string, enum, dtype or device;
 containers by structure; other objects (a cache, a config passed in) by type and contents, their
 tensors as inputs (without sizes: those are symbols the binder reads, so one decode program serves
-every length of a key-value cache); functions and modules by identity. :class:`CallKeys` keys a
+every length of a key-value cache); functions by code and closure; a module passed in by what it
+holds (:func:`module_key`), one referred to from elsewhere by identity. :class:`CallKeys` keys a
 whole call by parameter name, defaults filled in, and adds which of its input tensors are one
 object (:func:`aliases`).
 
@@ -20,6 +21,8 @@ apply (the key is then built and looked up as usual).
 
 from __future__ import annotations
 
+import array
+import collections
 import collections.abc
 import enum
 import functools
@@ -98,6 +101,8 @@ def _key(value: Any, shapes: bool, held: list | None) -> Any:
         return (kind, tuple([(k, _key(v, shapes, held)) for k, v in value.items()]))
     state = held_state(value)
     if state is None:  # functions, modules, arrays, objects without attributes
+        if held is not None and isinstance(value, torch.nn.Module):
+            return module_key(value)
         return _opaque_key(value, shapes)
     if held is None or shapes:  # attributes in their order: another order is another key, never a wrong one
         return (kind, "object", tuple([(name, _key(v, True, None)) for name, v in state.items()]))
@@ -191,12 +196,16 @@ def _opaque_key(value: Any, shapes: bool) -> Any:
     - a function: its code, its closure's values and its defaults (a fresh lambda per call over
       another value is another key; the same code over the same values the same key);
     - a bound method: its function and the key of the object it is bound to;
-    - a numpy array: dtype, shape and contents (refused above :data:`_ARRAY_BYTES`);
+    - a numpy array: dtype, shape and contents (refused above :data:`_ARRAY_BYTES`); so are the
+      standard library's buffers (``bytearray``, ``array.array``, ``memoryview``);
+    - a ``deque`` (its items, in order, and its ``maxlen``) and a read-only mapping
+      (``types.MappingProxyType``: its items): a fresh one per call may sit at the last one's address;
     - a set or frozenset: the keys of its items, unordered (a set mutated in place, ``skip.add(2)``,
       is another key);
     - an object with ``__slots__``: its class and its slots' values; a callable object: its attributes;
     - an iterator (a generator): its type (a capture never consumes one: the code reading it is measured);
-    - anything else (a module, a builtin, an extension object): its identity."""
+    - anything else (a module met outside a call's arguments, a builtin, an extension object): its
+      identity."""
     kind = type(value)
     if isinstance(value, torch.nn.Module):  # its attributes and structure are the model state's (situation.py)
         return (kind, id(value))
@@ -209,6 +218,12 @@ def _opaque_key(value: Any, shapes: bool) -> Any:
         return (kind, _key(value.__func__, shapes, None), _key(value.__self__, shapes, None))
     if isinstance(value, (set, frozenset)):
         return (kind, "set", frozenset([_key(v, True, None) for v in value]))
+    if isinstance(value, collections.deque):
+        return (kind, "deque", value.maxlen, tuple([_key(v, True, None) for v in value]))
+    if isinstance(value, types.MappingProxyType):
+        return (kind, "mapping", tuple([(k, _key(v, True, None)) for k, v in value.items()]))
+    if isinstance(value, (bytearray, array.array, memoryview)):
+        return (kind, *_buffer_key(value))
     if _is_array(value):
         if value.nbytes > _ARRAY_BYTES:
             raise InputError(f"a numpy array argument of {value.nbytes} bytes: fxflops cannot tell its calls apart cheaply")
@@ -222,6 +237,28 @@ def _opaque_key(value: Any, shapes: bool) -> Any:
     if callable(value) and isinstance(state, dict) and not isinstance(value, (torch.nn.Module, type)):
         return (kind, "object", tuple((name, _key(v, True, None)) for name, v in state.items()))  # a callable object
     return (kind, id(value))
+
+
+def module_key(module: torch.nn.Module) -> tuple:
+    """The key of a module passed in a call (an adapter, a loss, a teacher model): its code runs in
+    the call, but it is not the model, whose state ``situation.py`` guards. So it is keyed by what
+    it holds: each of its modules by path, class and identity, with every attribute of that module
+    (its ``training`` flag, flags and sizes, an instance ``forward``, parameters and buffers by
+    shape, dtype and ``requires_grad``, hooks by code); a flag set or a layer replaced between two
+    calls is another situation. A module an attribute refers to otherwise (a parent, another model)
+    is keyed by identity. Walked at every call that passes it: a cost of the order of its modules."""
+    return (type(module), id(module), tuple([
+        (path, type(m), id(m), tuple([(name, _key(v, True, None)) for name, v in vars(m).items() if name != "_modules"]))
+        for path, m in module.named_modules()
+    ]))
+
+
+def _buffer_key(value: bytearray | array.array | memoryview) -> tuple:
+    """Item format, shape and bytes of a standard library buffer (refused above :data:`_ARRAY_BYTES`)."""
+    view = memoryview(value)
+    if view.nbytes > _ARRAY_BYTES:
+        raise InputError(f"a {type(value).__name__} argument of {view.nbytes} bytes: fxflops cannot tell its calls apart cheaply")
+    return (view.format, view.shape, view.tobytes())
 
 
 def _cell_key(cell: Any, shapes: bool) -> Any:
@@ -444,7 +481,10 @@ class _Tests:
             self._fail_if(f"{other_type} or tuple({x}) != {self._constant(tuple(value))}")
             for k, v in value.items():
                 self.add(v, f"{x}[{self._constant(k)}]", shapes, held)
-        elif (state := held_state(value)) is None:  # tested through its key (_opaque_key)
+        elif (state := held_state(value)) is None and held is not None and isinstance(value, torch.nn.Module):
+            self.scope["_module"] = module_key
+            self._fail_if(f"{other_type} or _module({x}) != {self._constant(module_key(value))}")
+        elif state is None:  # tested through its key (_opaque_key)
             key = _opaque_key(value, shapes)
             self.scope["_opaque"] = _opaque_key
             self._fail_if(f"{other_type} or _opaque({x}, {shapes}) != {self._constant(key)}")

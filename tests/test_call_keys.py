@@ -249,3 +249,77 @@ def test_which_tensors_are_one_object_is_part_of_the_key_in_both_directions():
         for other, (args2, kwargs2) in patterns.items():
             assert (keys(args, kwargs) == keys(args2, kwargs2)) == (name == other), (name, other)
             assert check(args2, kwargs2) == (name == other), (name, other)
+
+
+class _Adapter(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(2, 2)
+        self.twice = False
+        object.__setattr__(self, "parent", _MODULE)  # another module it refers to, not a child: by identity
+
+
+def test_a_module_passed_in_a_call_is_keyed_by_what_it_holds():
+    """A module given as an argument runs in the call but is not the model: a flag set on it, a
+    layer replaced, its mode or a parameter's size or ``requires_grad`` changed is another key (and
+    the fast test fails); the module untouched, or a module it refers to changed, is the same key."""
+
+    def changes() -> dict[str, object]:
+        def set_(name, value):  # noqa: ANN001, ANN202
+            return lambda m: setattr(m, name, value)
+        return {
+            "nothing": lambda m: None,
+            "a flag": set_("twice", True),
+            "a layer replaced": set_("fc", torch.nn.Linear(2, 2)),
+            "eval mode": lambda m: m.eval(),
+            "a child's eval mode": lambda m: m.fc.eval(),
+            "a frozen parameter": lambda m: m.fc.weight.requires_grad_(False),
+            "a parameter resized": lambda m: setattr(m.fc, "weight", torch.nn.Parameter(torch.zeros(3, 2))),
+            "an instance forward": set_("forward", lambda x: x),
+            "a forward hook": lambda m: m.register_forward_hook(lambda *a: None),
+            "the module it refers to": lambda m: setattr(_MODULE, "extra_flag", True),
+        }
+
+    keys = CallKeys(forward)
+    unchanged = {"nothing", "the module it refers to"}
+    for name, change in changes().items():
+        adapter = _Adapter()
+        args, kwargs = (torch.zeros(2, 5),), {"module": adapter}
+        before, check = keys(args, kwargs), keys.check(args, kwargs)
+        change(adapter)
+        assert (keys(args, kwargs) == before) == (name in unchanged), name
+        assert check(args, kwargs) == (name in unchanged), name
+    vars(_MODULE).pop("extra_flag", None)
+
+
+def test_standard_library_containers_are_keyed_by_contents():
+    """A deque, a bytearray, an ``array.array`` and a read-only mapping passed in a call: changed in
+    place, another key (and the fast test fails); a fresh one with the same contents, the same key
+    (never the address: a fresh one per call may sit where the last one did)."""
+    import array
+    import collections
+    import types
+
+    made = {
+        "deque": lambda: collections.deque([1, 2], maxlen=4),
+        "bytearray": lambda: bytearray(b"ab"),
+        "array": lambda: array.array("i", [1, 2]),
+        "mapping": lambda: types.MappingProxyType({"a": 1}),
+    }
+    changed = {
+        "deque": lambda v: v.append(3),
+        "bytearray": lambda v: v.__setitem__(0, 0),
+        "array": lambda v: v.__setitem__(0, 7),
+    }
+    keys = CallKeys(forward)
+    for name, make in made.items():
+        value = make()
+        args, kwargs = (torch.zeros(2, 5),), {"plan": value}
+        before, check = keys(args, kwargs), keys.check(args, kwargs)
+        fresh = {"plan": make()}
+        assert keys(args, fresh) == before and check(args, fresh), name
+        if name in changed:
+            changed[name](value)
+        else:
+            value = types.MappingProxyType({"a": 2})
+        assert keys(args, {"plan": value}) != before and not check(args, {"plan": value}), name

@@ -1625,3 +1625,45 @@ def test_one_tensor_passed_in_two_places_is_another_situation(first, backward):
     for name in order:
         assert_counted_call(wrapper, model, calls[name], backward, (first, name))
     assert wrapper.captures == 2
+
+
+class _Adapter(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.twice = False
+
+    def forward(self, x):
+        x = self.fc(x)
+        return self.fc(x) if self.twice else x
+
+
+class _TakesAnAdapter(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x, adapter=None):
+        h = self.fc(x)
+        return h if adapter is None else adapter(h)
+
+
+@pytest.mark.parametrize("backward", [False, True])
+def test_a_module_passed_in_the_call_is_counted_as_it_is_at_each_call(backward):
+    """``model(x, adapter=a)``: the adapter's flag set, its layer replaced by a wider one, then set
+    back: each call is counted as it runs (was the first call's count: 1024 vs 1536)."""
+    torch.manual_seed(0)
+    model, adapter = _TakesAnAdapter(), _Adapter()
+    wrapper = fxflops.instrument(model, backward=backward)
+    x = torch.randn(4, 8)
+
+    def wider(a):  # noqa: ANN001, ANN202
+        a.fc = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 8))
+
+    steps = [
+        ("as built", lambda a: None), ("flag set", lambda a: setattr(a, "twice", True)), ("layer replaced", wider),
+        ("flag back", lambda a: setattr(a, "twice", False)),
+    ]
+    for label, change in steps:
+        change(adapter)
+        assert_counted_call(wrapper, model, (x,), backward, label, {"adapter": adapter})
