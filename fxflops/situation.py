@@ -8,9 +8,11 @@ sizes meet its guards. The situation has three parts, checked on every counted c
   ``requires_grad`` and rank; the value of every Python scalar, string, enum, dtype or device;
   containers by structure; other objects (a cache, a config passed in) by type and contents, their
   tensors as inputs too (without sizes: those are symbols the binder reads, so one decode program
-  serves every length of a key-value cache). Functions and modules passed as arguments by identity.
+  serves every length of a key-value cache), which input tensors are one object. Functions by code
+  and closure; a module passed in by what it holds.
 - :func:`mode_key`: grad mode, inference mode, autocast (per device type: enabled, dtype, cache), the
-  scaled-dot-product-attention backends enabled, the MHA fast path, the default dtype.
+  scaled-dot-product-attention backends enabled, the MHA fast path, the default dtype, deterministic
+  algorithms, checkpointing's early stop.
 - :class:`ModelState`: the model's state the trace depended on (``capture/reads.py`` recorded what it
   read): ``training`` flags and every other plain attribute the trace read from a module or from an
   object a module holds (``config._attn_implementation``; a list, dict or set the model's code or
@@ -49,6 +51,7 @@ from typing import Any
 
 import torch
 import torch.nn.utils.stateless
+import torch.utils.checkpoint as _checkpoint
 from torch.nn.modules import module as nn_module
 from torch.utils.hooks import RemovableHandle
 
@@ -83,8 +86,10 @@ _deterministic = torch._C._get_deterministic_algorithms
 
 
 def mode_key() -> tuple:
-    """Grad, inference and autocast modes, SDPA backends, MHA fast path, default dtype and
-    deterministic algorithms (model code may pick another implementation under them)."""
+    """Grad, inference and autocast modes, SDPA backends, MHA fast path, default dtype,
+    deterministic algorithms (model code may pick another implementation under them) and
+    checkpointing's early stop as ``set_checkpoint_early_stop`` sets it (a non-reentrant
+    checkpoint's recompute runs to the end of its region without it)."""
     flash, efficient, math_, cudnn = _sdpa
     return (
         _grad(),
@@ -97,11 +102,13 @@ def mode_key() -> tuple:
         _fastpath(),
         _default_dtype(),
         _deterministic(),
+        _checkpoint._enable_checkpoint_early_stop,
     )
 
 
 _MODE_NAMES = ("grad mode", "inference mode", "autocast", "flash SDPA", "memory-efficient SDPA", "math SDPA",
-               "cuDNN SDPA", "MHA fast path", "default dtype", "deterministic algorithms")
+               "cuDNN SDPA", "MHA fast path", "default dtype", "deterministic algorithms",
+               "checkpoint early stop (set_checkpoint_early_stop)")
 
 
 def describe_difference(traced: tuple, now: tuple) -> str:

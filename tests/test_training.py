@@ -262,3 +262,65 @@ def test_frozen_vision_tower():
     first, second = "visual.merger.mlp.0", "visual.merger.mlp.2"
     assert program.formula(first, phase="bwd") == program.formula(first, phase="fwd")  # weight gradient only
     assert program.formula(second, phase="bwd") == 2 * program.formula(second, phase="fwd")  # weight and input
+
+
+def _recompute_all(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _save_all(ctx, op, *args, **kwargs):
+    return CheckpointPolicy.MUST_SAVE
+
+
+class SelectivelyCheckpointed(nn.Module):
+    """A block under selective checkpointing whose policy is an attribute; another one plainly checkpointed."""
+
+    def __init__(self, width: int = 24) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(width) for _ in range(2))
+        self.policy = _save_matmuls
+
+    def forward(self, x):
+        context = functools.partial(create_selective_checkpoint_contexts, self.policy)
+        x = checkpoint(self.blocks[0], x, use_reentrant=False, context_fn=context)
+        return checkpoint(self.blocks[1], x, use_reentrant=False)
+
+
+def test_selective_checkpointing_recomputes_what_its_policy_says_and_a_new_policy_is_another_situation():
+    """Recompute everything, save everything, save only matmuls, then the first again: each call
+    equals FlopCounterMode (which sees the recompute the policy leaves), the matmuls' recompute
+    present only where the policy recomputes them (was none at all: the capture's proxy mode made
+    selective checkpointing save every output)."""
+    torch.manual_seed(0)
+    model = SelectivelyCheckpointed()
+    wrapper = fxflops.instrument(model, backward=True)
+    x = torch.randn(7, 24, requires_grad=True)
+    up = 2 * 7 * 24 * 48  # 2·rows·in·out; down's output no backward needs: early stop skips it
+    for policy, recomputed in ((_recompute_all, up), (_save_all, 0), (_save_matmuls, 0), (_recompute_all, up)):
+        model.policy = policy
+        wrapper.flops.reset()
+        train_step(wrapper, (x,))
+        assert wrapper.flops.total() == training_reference_total(model, x), policy.__name__
+        assert wrapper.flops.breakdown(phase="recompute")["blocks.0"] == recomputed, policy.__name__
+    assert wrapper.captures == 3
+
+
+@pytest.mark.parametrize("early_stop", [False, True])
+def test_checkpointing_early_stop_set_around_a_call_is_another_situation(early_stop):
+    """``set_checkpoint_early_stop(False)`` makes a non-reentrant checkpoint recompute its whole region
+    (here the last matmul too, whose output the backward does not need): a call under it and one
+    without are each counted as FlopCounterMode counts them under the same setting, in either order."""
+    from torch.utils.checkpoint import set_checkpoint_early_stop
+
+    torch.manual_seed(0)
+    model = Checkpointed()
+    wrapper = fxflops.instrument(model, backward=True)
+    x = torch.randn(5, 24, requires_grad=True)
+    totals = {}
+    for setting in (early_stop, not early_stop, early_stop):
+        with set_checkpoint_early_stop(setting):
+            wrapper.flops.reset()
+            train_step(wrapper, (x,))
+            assert wrapper.flops.total() == training_reference_total(model, x), setting
+            totals[setting] = wrapper.flops.total()
+    assert totals[False] > totals[True]

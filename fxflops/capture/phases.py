@@ -64,7 +64,10 @@ def _recomputing(fn: Callable[..., Any]) -> Callable[..., Any]:
 @contextlib.contextmanager
 def tagging_recompute() -> Iterator[None]:
     """Wrap checkpointing's recomputation callables so their ops are tagged ``recompute`` (in the
-    capturing thread only, ``capture/scope.py``)."""
+    capturing thread only, ``capture/scope.py``). Selective checkpointing (``context_fn``) takes the
+    capture's proxy mode for ``torch.compile`` and would save every op's output whatever its policy
+    says (an empty recompute): in the capture it is told it is not compiling, so it saves and
+    recomputes as the policy does in eager."""
 
     def init(self, recompute_fn, *args: Any, **kwargs: Any) -> None:
         frame_init(self, _recomputing(recompute_fn), *args, **kwargs)
@@ -72,8 +75,12 @@ def tagging_recompute() -> Iterator[None]:
     def forward(ctx, run_function, preserve_rng_state, *args):
         return reentrant_forward(ctx, _recomputing(run_function), preserve_rng_state, *args)
 
+    def not_compiling(*args: Any) -> bool:  # selective checkpointing then follows its policy (see below)
+        return False
+
     with patched(checkpoint_module._CheckpointFrame, "__init__", init) as frame_init, \
             patched(checkpoint_module.CheckpointFunction, "forward", forward) as reentrant_forward, \
+            patched(checkpoint_module, "_is_compiling", not_compiling), \
             fx_traceback.preserve_node_meta():
         yield
 
