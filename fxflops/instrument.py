@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
+import torch.utils.checkpoint as checkpoint_module
 
 from fxflops.call_keys import CallKeys
 from fxflops.capture.engines import not_a_microbatch, traced_module, transform_around
@@ -50,7 +51,7 @@ from fxflops.errors import CaptureError, FxFlopsError, GuardError, InputError, M
 from fxflops.adapters import adapter_for
 from fxflops.generation import counting_own_calls, generated_tokens
 from fxflops.islands import MeasuredCall, Spine
-from fxflops.meter import Meter
+from fxflops.meter import RECOMPUTED, Meter
 from fxflops.build import build_program
 from fxflops.program import Program, backward_rule
 from fxflops.routing import RoutingProbes
@@ -59,6 +60,7 @@ from fxflops.situation import ModelState, describe_difference, mode_key, note_re
 
 ON_MISS = ("recapture", "raise")
 MAX_ATTEMPTS = 3  # captures tried per situation before its calls are refused outright
+_STOPPED_RECOMPUTATION = getattr(checkpoint_module, "_StopRecomputationError", ())  # a non-reentrant checkpoint's early stop
 RECENT = 4  # programs per call layout whose situations are recognised by generated tests (CallKeys.check)
 
 
@@ -255,16 +257,26 @@ class Instrumented(torch.nn.Module):
         self._attempt.failed = None
         args, kwargs, found, deferred = self._look_up(args, kwargs, defer=True)
         measured = found is not None and isinstance(found[0], Spine)
+        recompute = torch._C._current_graph_task_id() != -1  # run by a backward: checkpoint() around this wrapper
+        if recompute and measured:
+            self._not_counted(CaptureError(f"{type(self.traced).__name__}: a measured call recomputed by checkpoint() is not counted"))
+            found, measured = None, False
         try:
             with _running(self.flops):
                 out = self._measured(found[0], self.model, args, kwargs) if measured else self.model(*args, **kwargs)
-        except BaseException:
+        except BaseException as exc:
             self._forget_failed_capture()
+            if recompute and found is not None and isinstance(exc, _STOPPED_RECOMPUTATION):
+                self._not_counted(CaptureError(
+                    f"{type(self.traced).__name__}: a non-reentrant checkpoint() around the instrumented model stopped its "
+                    "recompute early (torch's early stop): the part it ran is not counted; checkpoint inside the model, "
+                    "or use use_reentrant=True or set_checkpoint_early_stop(False) around it"
+                ), raising=False)
             raise
         if deferred is not None:  # strict: fxflops' own error, raised once the model ran without one of its own
             raise deferred
         if not measured:
-            self._add(found, out)
+            self._add(found, out, RECOMPUTED if recompute else "fwd")
         return out
 
     def _forget_failed_capture(self) -> None:
@@ -367,13 +379,14 @@ class Instrumented(torch.nn.Module):
             training = self.backward != "none" and torch.is_grad_enabled() and _requires_grad(out)
             program, monomials = found[0], self._monomials(*found)
             nodes = _output_nodes(out) if training else ()
+            call = phase != RECOMPUTED  # a recompute is a call counted already
             if nodes:  # the forward now, the backward when (and each time) one runs from the outputs
-                self.flops.add(program, monomials, False, prefix=self.prefix, phase=phase)
+                self.flops.add(program, monomials, False, prefix=self.prefix, phase=phase, call=call)
                 bill = _BackwardBill(self.flops, program, monomials, self.prefix)
                 for node in nodes:
                     node.register_prehook(bill)
             else:
-                self.flops.add(program, monomials, training, prefix=self.prefix, phase=phase)
+                self.flops.add(program, monomials, training and call, prefix=self.prefix, phase=phase, call=call)
             state = getattr(found[0], "state", None)
             if state is not None and not state.settled:  # after the call it was captured for (situation.py)
                 state.settle()
@@ -426,9 +439,10 @@ class Instrumented(torch.nn.Module):
         """Whether the user asked for ``exc`` to be raised rather than counted as uncounted."""
         return self.strict or (self.on_miss == "raise" and isinstance(exc, GuardError))
 
-    def _not_counted(self, exc: Exception) -> None:
-        """A call fxflops could not count: raise when asked to, else count it as uncounted and warn once."""
-        if self._raises(exc):
+    def _not_counted(self, exc: Exception, raising: bool = True) -> None:
+        """A call fxflops could not count: raise when asked to (and ``raising``: not where another
+        exception is on its way), else count it as uncounted and warn once."""
+        if raising and self._raises(exc):
             raise exc
         self.flops.not_counted()
         message = str(exc) if isinstance(exc, FxFlopsError) else f"internal error {type(exc).__name__}: {exc}"

@@ -34,7 +34,9 @@ _FOLD_EVERY = 256  # pending calls per accumulator before they are summed (reads
 TRAINING = "training"  # the kind of a call that adds every phase its program has
 BACKWARD = "backward"  # the kind of a backward that ran from a call's outputs: its program's bwd and recompute
 FORWARD_KINDS = ("fwd", "prefill", "decode")  # kinds of forward-only calls, each counted as its own phase
+RECOMPUTED = "recompute"  # the kind of a forward that checkpoint() around a wrapper re-ran in a backward
 PHASES = ("fwd", "bwd", "recompute", "prefill", "decode")
+_AGAIN = (BACKWARD, RECOMPUTED)  # kinds of entries for calls counted by another entry (their sizes and metadata once)
 
 if TYPE_CHECKING:
     from fxflops.conventions import Convention
@@ -81,13 +83,14 @@ class Meter:
         call: bool = True, backward: bool = False,
     ) -> None:
         """Add one call's monomial vector for ``program`` (``training=False``: forward only, counted
-        as ``phase``: one of :data:`FORWARD_KINDS`). ``prefix`` is the module path the program's root
+        as ``phase``: one of :data:`FORWARD_KINDS`, or :data:`RECOMPUTED`: a call's forward again, as
+        the ``recompute`` phase). ``prefix`` is the module path the program's root
         ran at (a compiled graph of a submodule). ``call=False``: a part of a call counted already
         (a measured call's modules and its backward, ``fxflops/islands.py``). ``backward``: the
         backward of a call whose forward was added (its program's backward and recompute phases),
         added when that backward ran."""
-        if phase not in FORWARD_KINDS:
-            raise ValueError(f"phase must be one of {FORWARD_KINDS}, not {phase!r}")
+        if phase not in FORWARD_KINDS and phase != RECOMPUTED:
+            raise ValueError(f"phase must be one of {(*FORWARD_KINDS, RECOMPUTED)}, not {phase!r}")
         kind = BACKWARD if backward else TRAINING if training else phase
         key = (id(program), kind, prefix)
         with self._lock:  # calls from several threads add up exactly
@@ -186,7 +189,7 @@ class Meter:
         """Sum over the counted calls of one symbol's value (e.g. ``"tokens"``): 0 when nothing was
         counted, None when calls were counted and no program has a symbol of that name (a misspelt
         or zero-configuration name: ``input_ids_1``; see :meth:`symbol_names`)."""
-        hosted = [entry for entry in (_hosted if _hosted is not None else self._on_host()) if entry[2] != BACKWARD]  # calls once
+        hosted = [entry for entry in (_hosted if _hosted is not None else self._on_host()) if entry[2] not in _AGAIN]  # calls once
         columns = [(acc, program.layout.column(name)) for program, acc, _, _ in hosted]
         if hosted and all(column is None for _, column in columns):
             return None
@@ -208,7 +211,7 @@ class Meter:
         sums = {name: total for name, total in sums.items() if total is not None}  # no such symbol: unknown, not 0
         malformed: dict[str, int] = {}
         for program, acc, kind, _ in hosted:
-            if kind == BACKWARD:  # the call's forward entry has it
+            if kind in _AGAIN:  # the call's forward entry has it
                 continue
             for name, n in program.malformed(acc).items():
                 malformed[name] = malformed.get(name, 0) + n

@@ -9,6 +9,7 @@ attribution is a heuristic that lets sibling modules absorb each other's backwar
 from __future__ import annotations
 
 import functools
+import warnings
 
 import pytest
 import torch
@@ -324,3 +325,40 @@ def test_checkpointing_early_stop_set_around_a_call_is_another_situation(early_s
             assert wrapper.flops.total() == training_reference_total(model, x), setting
             totals[setting] = wrapper.flops.total()
     assert totals[False] > totals[True]
+
+
+@pytest.mark.parametrize("how", ["reentrant", "no early stop", "early stop"])
+def test_checkpoint_around_the_instrumented_model_bills_its_recompute_as_recompute(how):
+    """``checkpoint(wrapper, x)``: the forward torch re-runs in the backward is the ``recompute``
+    phase (hardware FLOPs, not model FLOPs; was counted as a second forward: MFU too high). A
+    non-reentrant recompute that torch stops early (its default) ran an unknown part of the forward:
+    that call is uncounted and warned, never billed whole or as 0 in silence."""
+    from torch.utils.checkpoint import set_checkpoint_early_stop
+
+    torch.manual_seed(0)
+    model = Checkpointed(use_checkpoint=False)
+    wrapper = fxflops.instrument(model, backward=True)
+    x = torch.randn(6, 24, requires_grad=True)
+
+    def step(module) -> None:  # noqa: ANN001
+        with set_checkpoint_early_stop(how == "early stop"):
+            checkpoint(module, x, use_reentrant=how == "reentrant").sum().backward()
+
+    with flop_counter_with_cpu_attention(), flop_counter.FlopCounterMode(display=False) as counter:
+        step(model)
+    hardware, model_flops = counter.get_total_flops(), training_reference_total(model, x)
+    meter = wrapper.flops
+    for again in (False, True):
+        meter.reset()
+        if how == "early stop":
+            with warnings.catch_warnings(record=True) as said:
+                warnings.simplefilter("always")
+                step(wrapper)
+            assert again or any("stopped its recompute early" in str(w.message) for w in said)  # warned once per wrapper
+            assert meter.uncounted == 1 and meter.total("recompute") == 0
+            assert meter.total() == model_flops  # the call itself, forward and backward, exact
+            continue
+        step(wrapper)
+        assert (meter.total(), meter.model_flops(), meter.uncounted) == (hardware, model_flops, 0)
+        assert meter.total("recompute") == hardware - model_flops > 0
+        assert meter.calls == 1
