@@ -104,8 +104,9 @@ _IN_USER_CONTEXTS = textwrap.dedent("""
         expected_grad, expected_packs = run(plain, context)
         assert torch.equal(grad, expected_grad), context
         assert packs == expected_packs, (context, packs, expected_packs)
-        assert wrapper.flops.uncounted == 0 and wrapper.captures == 1, context
-        if context != "checkpoint":  # (the user's recompute of the wrapper's call is instrument()'s to count)
+        # the checkpoint's recompute of the wrapper, stopped early by torch, is uncounted (test_training.py)
+        assert wrapper.flops.uncounted == (context == "checkpoint") and wrapper.captures == 1, context
+        if context != "checkpoint":
             x = torch.randn(4, 8, requires_grad=True)
             assert wrapper.flops.total() == flop_counter_call(plain, (x,), {{}}, backward=True), context
     print("DONE")
