@@ -57,7 +57,7 @@ from torch.utils.hooks import RemovableHandle
 
 from fxflops.analysis.paths import inside, moved
 from fxflops.call_keys import ALIASED, SCALARS, described_layout, value_key
-from fxflops.capture.reads import Reads, module_at, named_modules
+from fxflops.capture.reads import Reads, hook_at, hook_objects, module_at, named_modules
 from fxflops.errors import InputError
 from fxflops.situation_code import (
     MAX_COMPARED, TORCH_BASES, CodeRead, SamePartial, code_reads, copied, definition, importable, plain,
@@ -364,7 +364,7 @@ class StateGuard:
         """The object holding the attribute (KeyError/AttributeError when gone)."""
         owner = module_at(model, self.path)
         for name in self.held.split(".") if self.held is not None else ():
-            owner = vars(owner)[name]
+            owner = hook_at(owner, name) if "#" in name else vars(owner)[name]  # a hook object (capture/reads.py)
         return owner
 
     def namespaces(self, model: torch.nn.Module) -> tuple[Any, tuple[Any, ...]]:
@@ -687,6 +687,12 @@ def _guards_from(
             if name in _MODULE_INTERNALS or _registered(module, name):
                 continue  # structure and hooks (the structure check)
             _attribute_guards(guards, module, name, f"{path or '<root>'}.{name}", path, None, reads, constants, filled, HELD_DEPTH)
+    for path, module in modules.items():  # the attributes the trace read on hooks that are objects (a flag)
+        for where, hook in hook_objects(module):
+            read = reads.of_held(hook) - reads.written_on(hook)  # not what it sets itself: a counter, the last output
+            for name in sorted(read):
+                label = f"{path or '<root>'}.{where}.{name}"  # a list or dict it reads: a log it fills, by identity
+                _attribute_guards(guards, hook, name, label, path, where, reads, constants, filled | read, HELD_DEPTH - 1)
     return list(guards.values())
 
 

@@ -1667,3 +1667,49 @@ def test_a_module_passed_in_the_call_is_counted_as_it_is_at_each_call(backward):
     for label, change in steps:
         change(adapter)
         assert_counted_call(wrapper, model, (x,), backward, label, {"adapter": adapter})
+
+
+class _Steer:
+    """A forward hook object with a flag (activation steering): when on, it adds a projection."""
+
+    def __init__(self, fc: nn.Module) -> None:
+        self.on, self.fc = False, fc
+
+    def __call__(self, module, args, out):
+        return self.fc(out) if self.on else out
+
+    def method(self, module, args, out):
+        return self.fc(out) if self.on else out
+
+
+class _Bookkeeping:
+    """A forward hook object that counts calls, keeps the last output and logs shapes: its own state."""
+
+    def __init__(self) -> None:
+        self.calls, self.last, self.shapes = 0, None, []
+
+    def __call__(self, module, args, out):
+        self.calls += 1
+        self.last = out.detach()
+        self.shapes.append(tuple(out.shape))
+
+
+@pytest.mark.parametrize("backward", [False, True])
+@pytest.mark.parametrize("how", ["object", "bound method"])
+def test_a_hook_object_s_flag_is_part_of_the_model_state(how, backward):
+    """A hook registered as an object (or its bound method) whose flag the trace read: set between
+    calls, the next call gets its own program (was the first one's count: 1024 vs 1536); its own
+    bookkeeping (a counter it increments, the last output, a log it fills) is not a new situation,
+    and a capture does not change it."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    steer, books = _Steer(nn.Linear(8, 8)), _Bookkeeping()
+    model[0].register_forward_hook(steer if how == "object" else steer.method)
+    model[1].register_forward_hook(books)
+    wrapper = fxflops.instrument(model, backward=backward)
+    x = torch.randn(4, 8)
+    for step, on in enumerate((False, False, True, True, False)):
+        steer.on = on
+        assert_counted_call(wrapper, model, (x,), backward, (how, step, on))
+    assert wrapper.captures == 2
+    assert books.calls == 2 * 5 and len(books.shapes) == 2 * 5  # the wrapper's calls and the references', no capture's

@@ -133,9 +133,15 @@ def module_at(model: torch.nn.Module, path: str) -> torch.nn.Module:
 def held_objects(model: torch.nn.Module, depth: int = 3) -> dict[int, Any]:
     """The plain Python objects (not modules, tensors, functions or builtins) held as attributes by
     the model's modules, and by those objects, ``depth`` levels deep: configs, their sub-configs
-    (``config.text_config``) and what those hold, dataclasses."""
+    (``config.text_config``) and what those hold, dataclasses; and the modules' hooks that are
+    objects with state (:func:`hook_objects`)."""
     found: dict[int, Any] = {}
     frontier: list[Any] = [m for _, m in named_modules(model)]
+    for module in list(frontier):
+        for _, hook in hook_objects(module):
+            if id(hook) not in found:
+                found[id(hook)] = hook
+                frontier.append(hook)
     for _ in range(depth):
         nxt = []
         for holder in frontier:
@@ -145,6 +151,30 @@ def held_objects(model: torch.nn.Module, depth: int = 3) -> dict[int, Any]:
                     nxt.append(value)
         frontier = nxt
     return found
+
+
+HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+
+
+def hook_objects(module: torch.nn.Module) -> list[tuple[str, Any]]:
+    """The module's hooks that are objects with state of their own (a callable instance, the
+    instance a bound method is bound to: an activation-steering hook with an ``on`` flag), as
+    ``(where, object)``; ``where`` (``"_forward_hooks#0"``: the dict and the position in it) is found
+    again by :func:`hook_at`. Their attributes the trace read are the program's state too."""
+    found = []
+    for name in HOOK_DICTS:
+        for i, hook in enumerate(vars(module).get(name, {}).values()):
+            owner = hook.__self__ if isinstance(hook, types.MethodType) else hook
+            if _is_held(owner):
+                found.append((f"{name}#{i}", owner))
+    return found
+
+
+def hook_at(module: torch.nn.Module, where: str) -> Any:
+    """The hook object at a :func:`hook_objects` place (KeyError, IndexError when it is gone)."""
+    name, position = where.split("#")
+    hook = list(vars(module)[name].values())[int(position)]
+    return hook.__self__ if isinstance(hook, types.MethodType) else hook
 
 
 def _is_held(value: Any) -> bool:
@@ -198,9 +228,13 @@ def recording_reads(model: torch.nn.Module, reads: Reads, originals: dict[int, A
                 names.add(name)
             assigning(self, name, value)
 
+        hooks = {id(hook) for m in every for _, hook in hook_objects(m)}
+        hook_written = {key: reads.written.setdefault(id(vars(own(obj))), set()) for key, obj in held.items() if key in hooks}
         for cls in classes:
             try:
                 stack.enter_context(_recording_class(cls, held_names))
+                if any(type(held[key]) is cls for key in hook_written):  # what a hook object sets on itself (a counter)
+                    stack.enter_context(_recording_assignments(cls, hook_written))
             except TypeError:  # an extension type, whose attributes cannot be set: its reads go unrecorded
                 continue
         for name in _VALUE_READS:
@@ -222,6 +256,28 @@ def _recording_value_reads(name: str, values: set[int], originals: dict[int, Any
         return original(self, *args, **kwargs)
 
     manager = patched(torch.Tensor, name, read)
+
+    @contextlib.contextmanager
+    def scope() -> Iterator[None]:
+        nonlocal original
+        with manager as found:
+            original = found
+            yield
+
+    return scope()
+
+
+def _recording_assignments(cls: type, written: dict[int, set[str]]) -> contextlib.AbstractContextManager:
+    """Record the attributes the traced code sets on the instances of ``cls`` in ``written``."""
+    original: Any = None
+
+    def assign(self: Any, name: str, value: Any) -> None:
+        names = written.get(id(self))
+        if names is not None:
+            names.add(name)
+        original(self, name, value)
+
+    manager = patched(cls, "__setattr__", assign)
 
     @contextlib.contextmanager
     def scope() -> Iterator[None]:
