@@ -248,65 +248,50 @@ _VALUE_READS = ("item", "tolist", "__int__", "__float__", "__bool__", "__index__
 def _recording_value_reads(name: str, values: set[int], originals: dict[int, Any]) -> contextlib.AbstractContextManager:
     """Record the real tensors whose values the trace reads with ``Tensor.<name>`` (a plain tensor
     attribute used as a loop count: its value is baked into the program like a constant)."""
-    original: Any = None
 
-    def read(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
-        if not isinstance(self, FakeTensor):
-            values.add(id(originals.get(id(self), self)))
-        return original(self, *args, **kwargs)
+    def wrap(original: Any) -> Any:
+        def read(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            if not isinstance(self, FakeTensor):
+                values.add(id(originals.get(id(self), self)))
+            return original(self, *args, **kwargs)
+        return read
 
-    manager = patched(torch.Tensor, name, read)
-
-    @contextlib.contextmanager
-    def scope() -> Iterator[None]:
-        nonlocal original
-        with manager as found:
-            original = found
-            yield
-
-    return scope()
+    return _wrapping(torch.Tensor, name, wrap)
 
 
 def _recording_assignments(cls: type, written: dict[int, set[str]]) -> contextlib.AbstractContextManager:
     """Record the attributes the traced code sets on the instances of ``cls`` in ``written``."""
-    original: Any = None
 
-    def assign(self: Any, name: str, value: Any) -> None:
-        names = written.get(id(self))
-        if names is not None:
-            names.add(name)
-        original(self, name, value)
+    def wrap(original: Any) -> Any:
+        def assign(self: Any, name: str, value: Any) -> None:
+            names = written.get(id(self))
+            if names is not None:
+                names.add(name)
+            original(self, name, value)
+        return assign
 
-    manager = patched(cls, "__setattr__", assign)
-
-    @contextlib.contextmanager
-    def scope() -> Iterator[None]:
-        nonlocal original
-        with manager as found:
-            original = found
-            yield
-
-    return scope()
+    return _wrapping(cls, "__setattr__", wrap)
 
 
 def _recording_class(cls: type, held_names: dict[int, set[str]]) -> contextlib.AbstractContextManager:
     """Record reads on the instances of ``cls`` that the model holds."""
-    original: Any = None
 
-    def record(self: Any, name: str) -> Any:
-        if name[:2] != "__":
-            names = held_names.get(id(self))
-            if names is not None:
-                names.add(name)
-        return original(self, name)
+    def wrap(original: Any) -> Any:
+        def record(self: Any, name: str) -> Any:
+            if name[:2] != "__":
+                names = held_names.get(id(self))
+                if names is not None:
+                    names.add(name)
+            return original(self, name)
+        return record
 
-    manager = patched(cls, "__getattribute__", record)
+    return _wrapping(cls, "__getattribute__", wrap)
 
-    @contextlib.contextmanager
-    def scope() -> Iterator[None]:
-        nonlocal original
-        with manager as found:
-            original = found
-            yield
 
-    return scope()
+@contextlib.contextmanager
+def _wrapping(owner: Any, name: str, wrap: Any) -> Iterator[None]:
+    """``owner.name`` is ``wrap(original)`` in capturing threads for the block (``scope.patched``)."""
+    wrapped: list[Any] = []
+    with patched(owner, name, lambda *args, **kwargs: wrapped[0](*args, **kwargs)) as original:
+        wrapped.append(wrap(original))
+        yield
