@@ -48,7 +48,8 @@ reads by calling a getter without arguments (``torch.get_num_threads()``,
 is compared by the value it has now (:func:`_getter_reads`). What the code reads
 through ``super()`` (``super().forward(x)``) is compared by identity on the base class that defines
 it, torch's classes too (:func:`_super_reads`). Not seen: an object reached
-through a call's result other than a getter's, or through a computed key.
+through a call's result other than a getter's, or through a computed key; the state a method of a
+global object reads on ``self`` (``SETTINGS.enabled()``); an object a context variable holds.
 (Attributes of the model's modules and of the objects they hold, class attributes among them, are
 ``fxflops/situation.py``'s; the call's arguments ``fxflops/call_keys.py``'s.)
 """
@@ -57,6 +58,7 @@ from __future__ import annotations
 
 import collections
 import collections.abc
+import contextvars
 import dataclasses
 import dis
 import enum
@@ -64,6 +66,7 @@ import functools
 import os
 import sys
 import sysconfig
+import threading
 import types
 import weakref
 from collections.abc import Iterator
@@ -73,6 +76,7 @@ from typing import Any
 import torch
 
 from fxflops.call_keys import SCALARS
+from fxflops.capture.ambient import traced_context_value
 from fxflops.capture.reads import NOT_HELD, module_at, named_modules
 
 MAX_FUNCTIONS = 512  # functions followed per model: the guards stay cheap, a huge code base is cut short
@@ -889,6 +893,64 @@ class SamePartial:
         return f"partial({getattr(self.func, '__name__', self.func)}, {self.args}, {self.keywords})"
 
 
+class ContextValue:
+    """The expected value of a ``contextvars.ContextVar`` the code reads (``if USE_FUSED.get():``): the
+    same variable, holding in the calling context the flag, number or string the trace saw (a
+    capture's context holds the caller's, ``capture/ambient.py``), or, where the trace saw none, no
+    such value. An object (transformers' output collector of a running call, which its hooks append
+    to) is not compared: the trace sees it unset. A ``ContextVar.get()`` per call, no copy."""
+
+    __slots__ = ("var", "value")
+
+    def __init__(self, var: contextvars.ContextVar) -> None:
+        value = var.get(_UNSET)
+        self.var, self.value = var, value if traced_context_value(value) else _UNSET
+
+    def __eq__(self, other: object) -> bool:
+        if other is not self.var:
+            return False
+        now = other.get(_UNSET)
+        if not traced_context_value(now):  # unset, or an object: unset as the trace saw it
+            return self.value is _UNSET
+        return type(now) is type(self.value) and now == self.value
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"{self.var.name} = {self.value!r}"
+
+
+class ThreadValues:
+    """The expected value of a ``threading.local`` the code reads (``if LOCAL.fused:``): the same
+    object holding, in the calling thread, the flags, numbers and strings it held in the traced one
+    (none added, none removed: ``getattr(LOCAL, "fused", False)``). Objects it holds (a thread's
+    bookkeeping, a per-call record) are not compared, as a context variable's are not."""
+
+    __slots__ = ("local", "values")
+
+    def __init__(self, local: threading.local) -> None:
+        self.local, self.values = local, _flags_of(local)
+
+    def __eq__(self, other: object) -> bool:
+        if other is not self.local:
+            return False
+        now = _flags_of(other)
+        return now.keys() == self.values.keys() and all(type(now[k]) is type(v) and now[k] == v for k, v in self.values.items())
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"a threading.local with {self.values!r}"
+
+
+_UNSET = object()  # a context variable without a value
+
+
+def _flags_of(local: threading.local) -> dict[str, Any]:
+    """The flags, numbers and strings a thread-local object holds in the calling thread."""
+    return {name: value for name, value in vars(local).items() if traced_context_value(value)}
+
+
 def definition(value: Any) -> Any:
     """What a function the code reads is, where a copy or a load cannot keep its identity: its
     kind, module, qualified name and code, recursively through a partial's or a bound method's
@@ -933,6 +995,10 @@ def _read(label: str, namespace: Any, key: str | None, value: Any) -> CodeRead |
         return CodeRead(label, namespace, key, SameTensor(value), "==")
     if isinstance(value, functools.partial) and plain(value.args) and plain(value.keywords):
         return CodeRead(label, namespace, key, SamePartial(value), "==")  # its settings, changed in place too
+    if isinstance(value, contextvars.ContextVar):  # USE_FUSED.get(): its value in the calling context
+        return CodeRead(f"{label} (its value in this context)", namespace, key, ContextValue(value), "==")
+    if isinstance(value, threading.local):  # LOCAL.flag: the calling thread's attributes
+        return CodeRead(f"{label} (this thread's attributes)", namespace, key, ThreadValues(value), "==")
     if value is os.getenv:  # a function of the environment: its contents, as os.environ.get(...) reads them
         return CodeRead(f"{label} (os.environ)", vars(os), "environ", RegistryContents(os.environ), "==")
     if isinstance(value, _CALLABLES):  # a helper patched in: another situation

@@ -18,6 +18,7 @@ Each change in both directions, every call compared with FlopCounterMode on the 
 
 from __future__ import annotations
 
+import contextvars
 import copy
 import dataclasses
 import functools
@@ -26,6 +27,7 @@ import math
 import os
 import pickle
 import sys
+import threading
 import types
 from os import getenv
 
@@ -1713,3 +1715,61 @@ def test_a_hook_object_s_flag_is_part_of_the_model_state(how, backward):
         assert_counted_call(wrapper, model, (x,), backward, (how, step, on))
     assert wrapper.captures == 2
     assert books.calls == 2 * 5 and len(books.shapes) == 2 * 5  # the wrapper's calls and the references', no capture's
+
+
+_FUSED = contextvars.ContextVar("fused", default=False)
+_LOCAL = threading.local()
+
+
+class _Switched(nn.Module):
+    """Reads a context variable or a thread-local flag, as a library's "use the fused path" switch."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how, self.fc, self.extra = how, nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.fc(x)
+        on = _FUSED.get() if self.how == "context variable" else getattr(_LOCAL, "on", False)
+        return self.extra(h) if on else h
+
+
+def _switch(how: str, on: bool) -> None:
+    if how == "context variable":
+        _FUSED.set(on)
+    else:
+        _LOCAL.on = on
+
+
+@pytest.mark.parametrize("backward", [False, True])
+@pytest.mark.parametrize("first", [False, True])
+@pytest.mark.parametrize("how", ["context variable", "thread-local"])
+def test_a_context_variable_or_thread_local_flag_the_code_reads_is_part_of_the_situation(how, first, backward):
+    """Set before the first call (the capture sees it as the call does: was traced unset, 512 vs
+    1024), then switched, then back: each call counted as it runs; in another thread, that thread's
+    own value."""
+    torch.manual_seed(0)
+    model = _Switched(how)
+    wrapper = fxflops.instrument(model, backward=backward)
+    x = torch.randn(4, 8)
+    try:
+        for on in (first, not first, first):
+            _switch(how, on)
+            assert_counted_call(wrapper, model, (x,), backward, (how, on))
+        assert wrapper.captures == 2
+        results = []
+
+        def other_thread() -> None:  # starts with the variable's default / no attribute: off
+            wrapper.flops.reset()
+            out = wrapper(x)
+            if backward:
+                out.sum().backward()
+            results.append((wrapper.flops.total(), flop_counter_call(model, (x,), {}, backward=backward)))
+
+        thread = threading.Thread(target=other_thread)
+        thread.start()
+        thread.join(timeout=60)
+        (counted, reference), = results
+        assert counted == reference  # the thread's own flag (off), whatever the main thread's is
+    finally:
+        _switch(how, False)

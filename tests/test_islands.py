@@ -268,18 +268,16 @@ def test_two_threads_measure_their_calls_at_once():
     wrapper = fxflops.instrument(net, strict=True)
     xs = calls(3)
     barrier = threading.Barrier(2, timeout=30)
-    racing = threading.local()  # the threads that meet at the barrier (the capture's thread does not)
     original = Mid.forward
 
     def mid_forward(self, h):  # the class's forward while the program is captured and used: one code
-        if getattr(racing, "on", False):
+        if threading.current_thread().name.startswith("racer"):  # not state of the model's (a thread-local would be)
             barrier.wait()
         return original(self, h)
 
     errors = []
 
     def run(x: torch.Tensor) -> None:
-        racing.on = True
         try:
             with torch.no_grad():
                 wrapper(x)
@@ -291,7 +289,7 @@ def test_two_threads_measure_their_calls_at_once():
         with torch.no_grad():
             wrapper(xs[0])  # the capture (and its refusal) happen before the threads
         wrapper.flops.reset()
-        threads = [threading.Thread(target=run, args=(x,)) for x in xs[1:]]
+        threads = [threading.Thread(target=run, args=(x,), name=f"racer-{i}") for i, x in enumerate(xs[1:])]
         for thread in threads:
             thread.start()
         for thread in threads:

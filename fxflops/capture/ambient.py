@@ -20,12 +20,21 @@ they were, also when the block raises:
 
 Grad mode, autocast and the other global settings a call is matched by (``fxflops/situation.py``)
 stay as they are: the trace is of the call as made.
+
+Context variables (:func:`flags_context`): a capture runs in a context of its own holding only the
+caller's context variables whose values are flags, numbers or strings (``USE_FUSED.get()`` in model
+code traces as the call runs; ``situation_code.ContextValue`` guards it); the others are unset there
+(transformers' output collectors of a running call: lists its hooks append to, which must never
+receive the trace's fake tensors).
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import enum
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.overrides as overrides
@@ -78,3 +87,19 @@ def clean_slate() -> Iterator[None]:
     (but the default device), which are put back afterwards (see the module docstring)."""
     with _without_saved_tensor_hooks(), _disable_current_modes(), _only_device_function_modes():
         yield
+
+
+CONTEXT_FLAGS = (bool, int, float, str, type(None), enum.Enum)  # context variable values a capture sees
+
+
+def traced_context_value(value: Any) -> bool:
+    """Whether a capture sees a context variable holding ``value`` (else it is unset there)."""
+    return isinstance(value, CONTEXT_FLAGS)
+
+
+def flags_context() -> contextvars.Context:
+    """A new context holding the caller's context variables whose values a capture sees."""
+    kept = [(var, value) for var, value in contextvars.copy_context().items() if traced_context_value(value)]
+    context = contextvars.Context()
+    context.run(lambda: [var.set(value) for var, value in kept])
+    return context

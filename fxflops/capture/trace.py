@@ -18,7 +18,6 @@ what the model's code writes elsewhere put back (``capture/isolation.py``,
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import functools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -29,7 +28,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from fxflops.capture.adapters import Adapter
-from fxflops.capture.ambient import clean_slate
+from fxflops.capture.ambient import clean_slate, flags_context
 from fxflops.capture.derived import DerivedSize, TracedSize
 from fxflops.capture.engines import compute_shapes, engines_left_alone
 from fxflops.capture.fake_mode import ThreadBoundFakeMode
@@ -249,10 +248,10 @@ def capture(
                 integer_names={(name,): symbol for name, symbol in symbolic.items()},
             )
 
-    # in an empty context (the capture scope's own state set inside it): context variables of a call
-    # the capture runs inside (HF's output collectors, which the twin's forward hooks append to) never
-    # see the trace's fake tensors
-    trace, specs = contextvars.Context().run(traced)
+    # in a context of its own (the capture scope's own state set inside it) holding the caller's flags
+    # only: context variables of a call the capture runs inside (HF's output collectors, which the
+    # twin's forward hooks append to) never see the trace's fake tensors (capture/ambient.py)
+    trace, specs = flags_context().run(traced)
     pinned = check_free(trace.env, trace.env_syms, strict=dims is not None and not allow_pins)
     env_to_named = {sym: named_symbol(name) for name, sym in trace.env_syms.items()}
     public = functools.partial(in_public_symbols, trace.env, env_to_named)
