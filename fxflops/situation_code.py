@@ -903,16 +903,16 @@ class ContextValue:
     __slots__ = ("var", "value")
 
     def __init__(self, var: contextvars.ContextVar) -> None:
-        value = var.get(_UNSET)
+        value = _value_of(var)
         self.var, self.value = var, value if traced_context_value(value) else _UNSET
 
     def __eq__(self, other: object) -> bool:
         if other is not self.var:
             return False
-        now = other.get(_UNSET)
+        now = _value_of(other)
         if not traced_context_value(now):  # unset, or an object: unset as the trace saw it
             return self.value is _UNSET
-        return type(now) is type(self.value) and now == self.value
+        return _same_flag(now, self.value)
 
     __hash__ = None  # type: ignore[assignment]
 
@@ -935,7 +935,7 @@ class ThreadValues:
         if other is not self.local:
             return False
         now = _flags_of(other)
-        return now.keys() == self.values.keys() and all(type(now[k]) is type(v) and now[k] == v for k, v in self.values.items())
+        return now.keys() == self.values.keys() and all(_same_flag(now[k], v) for k, v in self.values.items())
 
     __hash__ = None  # type: ignore[assignment]
 
@@ -944,6 +944,20 @@ class ThreadValues:
 
 
 _UNSET = object()  # a context variable without a value
+
+
+def _value_of(var: contextvars.ContextVar) -> Any:
+    """What ``var.get()`` returns in the calling context (its default where unset), or :data:`_UNSET`."""
+    try:
+        return var.get()
+    except LookupError:
+        return _UNSET
+
+
+def _same_flag(now: Any, kept: Any) -> bool:
+    """A flag, number or string equal to the one kept, of the same type (``True`` is not ``1``); a
+    NaN equal to a NaN (it never equals itself: every call would be another situation)."""
+    return type(now) is type(kept) and (now == kept or (now != now and kept != kept))
 
 
 def _flags_of(local: threading.local) -> dict[str, Any]:

@@ -1771,5 +1771,10 @@ def test_a_context_variable_or_thread_local_flag_the_code_reads_is_part_of_the_s
         thread.join(timeout=60)
         (counted, reference), = results
         assert counted == reference  # the thread's own flag (off), whatever the main thread's is
+        _switch(how, float("nan"))  # a NaN flag (never equal to itself) is one situation, not one per call
+        before = wrapper.captures
+        for _ in range(3):
+            assert_counted_call(wrapper, model, (x,), backward, (how, "nan"))
+        assert wrapper.captures == before + 1
     finally:
         _switch(how, False)
