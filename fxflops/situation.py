@@ -57,7 +57,7 @@ from torch.utils.hooks import RemovableHandle
 
 from fxflops.analysis.paths import inside, moved
 from fxflops.call_keys import ALIASED, SCALARS, described_layout, value_key
-from fxflops.capture.reads import Reads, hook_at, hook_objects, module_at, named_modules
+from fxflops.capture.reads import HOOK_DICTS, Reads, hook_at, hook_objects, module_at, named_modules
 from fxflops.errors import InputError
 from fxflops.situation_code import (
     MAX_COMPARED, TORCH_BASES, CodeRead, SamePartial, code_reads, copied, definition, importable, plain,
@@ -519,7 +519,7 @@ class ModelState:
                 if t is not None else (name, None)
                 for name, t in itertools.chain(m._parameters.items(), m._buffers.items())
             )
-            dicts = (m._forward_pre_hooks, m._forward_hooks, m._backward_pre_hooks, m._backward_hooks)
+            dicts = tuple(getattr(m, name) for name in HOOK_DICTS)
             held += [d for d in dicts if d]
             hooks = _hook_ids(*dicts)
             forward = vars(m).get("forward")  # an instance-level override (not fxflops' own routing probe)

@@ -77,7 +77,7 @@ import torch
 
 from fxflops.call_keys import SCALARS
 from fxflops.capture.ambient import traced_context_value
-from fxflops.capture.reads import NOT_HELD, module_at, named_modules
+from fxflops.capture.reads import HOOK_DICTS, NOT_HELD, module_at, named_modules
 
 MAX_FUNCTIONS = 512  # functions followed per model: the guards stay cheap, a huge code base is cut short
 MAX_COMPARED = 1024  # values of a module-level container compared per call (a larger one: by identity)
@@ -249,8 +249,8 @@ def _followed(
 def _hooks(model: torch.nn.Module) -> Iterator[types.FunctionType]:
     """The functions of the hooks on the model's modules (a hook runs in the call as its module's code does)."""
     for _, module in named_modules(model):
-        for hooks in (module._forward_pre_hooks, module._forward_hooks, module._backward_pre_hooks, module._backward_hooks):
-            for hook in list(hooks.values()):
+        for name in HOOK_DICTS:
+            for hook in list(getattr(module, name).values()):
                 yield from _functions_in(hook)
 
 
