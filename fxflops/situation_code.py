@@ -75,7 +75,7 @@ from typing import Any
 
 import torch
 
-from fxflops.call_keys import SCALARS
+from fxflops.call_keys import SCALARS, value_key
 from fxflops.capture.ambient import traced_context_value
 from fxflops.capture.reads import HOOK_DICTS, NOT_HELD, module_at, named_modules
 
@@ -900,24 +900,18 @@ class ContextValue:
     such value. An object (transformers' output collector of a running call, which its hooks append
     to) is not compared: the trace sees it unset. A ``ContextVar.get()`` per call, no copy."""
 
-    __slots__ = ("var", "value")
+    __slots__ = ("var", "key")
 
     def __init__(self, var: contextvars.ContextVar) -> None:
-        value = _value_of(var)
-        self.var, self.value = var, value if traced_context_value(value) else _UNSET
+        self.var, self.key = var, _flag_key(_value_of(var))
 
     def __eq__(self, other: object) -> bool:
-        if other is not self.var:
-            return False
-        now = _value_of(other)
-        if not traced_context_value(now):  # unset, or an object: unset as the trace saw it
-            return self.value is _UNSET
-        return _same_flag(now, self.value)
+        return other is self.var and _flag_key(_value_of(other)) == self.key
 
     __hash__ = None  # type: ignore[assignment]
 
     def __repr__(self) -> str:
-        return f"{self.var.name} = {self.value!r}"
+        return f"{self.var.name} = {'unset' if self.key is None else self.key[-1]!r}"
 
 
 class ThreadValues:
@@ -932,10 +926,7 @@ class ThreadValues:
         self.local, self.values = local, _flags_of(local)
 
     def __eq__(self, other: object) -> bool:
-        if other is not self.local:
-            return False
-        now = _flags_of(other)
-        return now.keys() == self.values.keys() and all(_same_flag(now[k], v) for k, v in self.values.items())
+        return other is self.local and _flags_of(other) == self.values
 
     __hash__ = None  # type: ignore[assignment]
 
@@ -954,15 +945,15 @@ def _value_of(var: contextvars.ContextVar) -> Any:
         return _UNSET
 
 
-def _same_flag(now: Any, kept: Any) -> bool:
-    """A flag, number or string equal to the one kept, of the same type (``True`` is not ``1``); a
-    NaN equal to a NaN (it never equals itself: every call would be another situation)."""
-    return type(now) is type(kept) and (now == kept or (now != now and kept != kept))
+def _flag_key(value: Any) -> Any:
+    """A flag, number or string as a call key keys it (by type: ``True`` is not ``1``; a NaN by its
+    bits, equal to a NaN); None for anything a capture does not see (unset, an object)."""
+    return value_key(value) if traced_context_value(value) else None
 
 
 def _flags_of(local: threading.local) -> dict[str, Any]:
-    """The flags, numbers and strings a thread-local object holds in the calling thread."""
-    return {name: value for name, value in vars(local).items() if traced_context_value(value)}
+    """The keys of the flags, numbers and strings a thread-local object holds in the calling thread."""
+    return {name: key for name, value in vars(local).items() if (key := _flag_key(value)) is not None}
 
 
 def definition(value: Any) -> Any:
