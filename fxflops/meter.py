@@ -288,9 +288,10 @@ class Meter:
             if symbol and counter not in totals and self.calls:
                 warn(f"fxflops: report({counter}={symbol!r}): no program has a symbol of that name, so {counter} per second "
                      f"are unknown; the programs' symbols: {', '.join(self.symbol_names()) or 'none'}", stacklevel=2)
-        distributed = all_ranks and (group is not None or (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1))
+        several = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        distributed = all_ranks and (group is not None or several)
         world_size = dist.get_world_size(group) if distributed else 1
-        alone = not all_ranks and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        alone = not all_ranks and several
         if distributed:
             totals = self.all_reduce(totals, group)
         if peak_flops is not None and not float(peak_flops) > 0:  # 0, negative or NaN: no utilisation to divide by
