@@ -47,9 +47,13 @@ reads by calling a getter without arguments (``torch.get_num_threads()``,
 ``dist.is_initialized()``) or as a flag of ``torch.backends`` (``torch.backends.cudnn.deterministic``)
 is compared by the value it has now (:func:`_getter_reads`). What the code reads
 through ``super()`` (``super().forward(x)``) is compared by identity on the base class that defines
-it, torch's classes too (:func:`_super_reads`). Not seen: an object reached
-through a call's result other than a getter's, or through a computed key; the state a method of a
-global object reads on ``self`` (``SETTINGS.enabled()``); an object a context variable holds.
+it, torch's classes too (:func:`_super_reads`). A method, property or class method the code
+calls on such an object (``SETTINGS.enabled()``, ``SETTINGS.depth``) is compared by identity on
+its class, and its code is walked with ``self`` standing for the object: what it reads there
+(``self.on``, ``self.nested.wide``, another method) is read as the code's own attribute reads
+are; a class attribute read through the object (``SETTINGS.REPEATS``) is compared as a global
+is. Not seen: an object reached through a call's result other than a getter's, or through a
+computed key; an object a context variable holds.
 (Attributes of the model's modules and of the objects they hold, class attributes among them, are
 ``fxflops/situation.py``'s; the call's arguments ``fxflops/call_keys.py``'s.)
 """
@@ -94,6 +98,9 @@ class CodeRead:
     key: str | None
     expected: Any
     test: str
+    runs_on: tuple[Any, str] | None = dataclasses.field(default=None, compare=False, repr=False)
+    """For a method read on an object's class (``SETTINGS.enabled``): the object its code runs on,
+    with the path the code reaches it by; the walk reads that code's ``self.<name>`` there."""
 
     def now(self) -> Any:
         return self.namespace.cell_contents if self.key is None else self.namespace[self.key]
@@ -232,18 +239,20 @@ def _followed(
     """The model code the capture ran, with each function's reads: the called methods, the hooks, the
     call's function arguments, and the functions their globals and closures hold, transitively (up to
     :data:`MAX_FUNCTIONS`; not library code)."""
-    seen: set[int] = set()
-    todo = [
-        *_called_methods(model, called), *_hooks(model), *(f for value in functions for f in _functions_in(value)),
+    seen: set[tuple[int, int]] = set()
+    todo: list[tuple[types.FunctionType, tuple[Any, str] | None]] = [
+        (f, None) for f in (*_called_methods(model, called), *_hooks(model), *(f for v in functions for f in _functions_in(v)))
     ]
     while todo and len(seen) < MAX_FUNCTIONS:
-        fn = todo.pop()
-        if id(fn) in seen or _is_library(fn):
+        fn, runs_on = todo.pop()
+        if (id(fn), id(runs_on and runs_on[0])) in seen or _is_library(fn):
             continue
-        seen.add(id(fn))
-        reads = list(_reads_of(fn))
+        seen.add((id(fn), id(runs_on and runs_on[0])))
+        reads = list(_reads_of(fn, runs_on))
         yield fn, reads
-        todo += [f for _, read in reads for f in _functions_in(read.expected.func if isinstance(read.expected, SamePartial) else read.expected)]
+        for _, read in reads:
+            value = read.expected.func if isinstance(read.expected, SamePartial) else read.expected
+            todo += [(f, read.runs_on) for f in _functions_in(value)]
 
 
 def _hooks(model: torch.nn.Module) -> Iterator[types.FunctionType]:
@@ -471,10 +480,11 @@ def _line_of(instruction: dis.Instruction) -> int | None:
     return instruction.line_number if sys.version_info >= (3, 13) else instruction.starts_line
 
 
-def _reads_of(fn: types.FunctionType) -> Iterator[tuple[str, CodeRead]]:
+def _reads_of(fn: types.FunctionType, runs_on: tuple[Any, str] | None = None) -> Iterator[tuple[str, CodeRead]]:
     """The globals ``fn``'s code names (those its module holds) and its closure's cells, as reads
     with the name the code uses: plain values and functions (other objects: modules, classes, a
-    logger, are not followed)."""
+    logger, are not followed); with ``runs_on``, the attributes it reads on its first parameter,
+    the object (and path) it runs on (:func:`_attribute_reads`)."""
     namespace = fn.__globals__
     where = getattr(fn, "__module__", None) or "?"
     written = _written(fn.__code__)
@@ -485,7 +495,7 @@ def _reads_of(fn: types.FunctionType) -> Iterator[tuple[str, CodeRead]]:
             if read is not None:
                 yield name, read
     try:
-        attributes = list(_attribute_reads(fn))
+        attributes = list(_attribute_reads(fn, runs_on))
     except Exception:  # noqa: BLE001 - an object whose namespace misbehaves (a proxy): its attributes unguarded
         attributes = []
     yield from attributes
@@ -502,27 +512,29 @@ def _reads_of(fn: types.FunctionType) -> Iterator[tuple[str, CodeRead]]:
             yield name, read
 
 
-def _attribute_reads(fn: types.FunctionType) -> Iterator[tuple[str, CodeRead]]:
+def _attribute_reads(fn: types.FunctionType, runs_on: tuple[Any, str] | None = None) -> Iterator[tuple[str, CodeRead]]:
     """The attributes ``fn``'s code reads on a module, a class or a plain object it names as a
     global, a closure variable or a parameter's default, directly or through a local it assigns once
     (``cfg.USE_EXTRA``, ``layers.attention(...)``, ``pkg.sub.FLAG``, ``os.environ.get(...)``,
     ``Block.FUSED``, ``Rotary.apply(...)``, ``CFG.deep.n``, ``opts.extra`` with ``opts=DEFAULTS``,
     ``args = get_args(); args.flag`` where ``get_args`` returns a global), as reads of the namespace
     that holds each value along the chain (the objects and modules on the way by identity), named
-    ``.attribute`` (the code uses it as an attribute, see :func:`_uses`). Not torch's or fxflops'
-    modules, classes and objects; of the standard library, only the values of
-    :data:`_STATE_MODULES` and plain namespaces."""
+    ``.attribute`` (the code uses it as an attribute, see :func:`_uses`); with ``runs_on``, those
+    it reads on its first parameter (``self.on`` in ``SETTINGS.enabled()``, the object ``runs_on``
+    holds). Not torch's or fxflops' modules, classes and objects; of the standard library, only the
+    values of :data:`_STATE_MODULES` and plain namespaces."""
     yield from _super_reads(fn)
     yield from _getter_reads(fn)
     for code in _codes(fn.__code__):
         instructions = _instructions(code)
-        assigned = _assigned_once(fn, code, instructions)
+        assigned = _assigned_once(fn, code, instructions, runs_on)
         for at, instruction in enumerate(instructions):
             found = _root(fn, code, instructions, at, assigned)
             if found is None:
                 continue
             (namespace, key, owner), after = found
-            chain = list(_chain(fn, owner, instruction.argval, instructions[after:]))
+            path = runs_on[1] if runs_on and owner is runs_on[0] and instruction.opname == "LOAD_FAST" else instruction.argval
+            chain = list(_chain(fn, owner, path, instructions[after:]))
             if chain and namespace is not None:  # the global or closure variable rebound
                 yield "", CodeRead(f"{instruction.argval} (an object {fn.__qualname__} reads attributes of)", namespace, key, owner, "is")
             yield from chain
@@ -709,12 +721,17 @@ def _root(
     return (root, after) if _followed_owner(root[2]) else None
 
 
-def _assigned_once(fn: types.FunctionType, code: types.CodeType, instructions: list[dis.Instruction]) -> dict[str, _Root]:
+def _assigned_once(
+    fn: types.FunctionType, code: types.CodeType, instructions: list[dis.Instruction], runs_on: tuple[Any, str] | None = None
+) -> dict[str, _Root]:
     """The locals that stand for a followed value: the function's parameters with a default (the
-    default; the caller may pass another, so not where it lives) and the locals the code assigns
-    once, from a global, a getter's result or a closure variable (``args = get_args()``)."""
+    default; the caller may pass another, so not where it lives), its first parameter with
+    ``runs_on`` (the object a method runs on), and the locals the code assigns once, from a global,
+    a getter's result or a closure variable (``args = get_args()``)."""
     found: dict[str, _Root] = {name: (None, None, value) for name, value in _defaults(fn).items()} if code is fn.__code__ else {}
     stores = collections.Counter(i.argval for i in instructions if i.opname in ("STORE_FAST", "DELETE_FAST"))
+    if runs_on is not None and code is fn.__code__ and code.co_argcount and not stores[code.co_varnames[0]]:
+        found[code.co_varnames[0]] = (None, None, runs_on[0])
     for at, instruction in enumerate(instructions):
         if instruction.opname != "STORE_FAST" or stores[instruction.argval] != 1 or instruction.argval in found:
             continue
@@ -769,16 +786,18 @@ def _chain(fn: types.FunctionType, owner: Any, path: str, following: list[dis.In
     entries are compared as its keys, :func:`_container_read`)."""
     at = 0
     while at < len(following):
-        step = following[at]
+        step, owner_path = following[at], path
         if step.opname in ("LOAD_ATTR", "LOAD_METHOD") and _followed_owner(owner):
             name, path, used_as, at = step.argval, f"{path}.{step.argval}", "." + step.argval, at + 1
             holder = _class_namespace(next((c for c in owner.__mro__ if name in vars(c)), object)) if isinstance(owner, type) else vars(owner)
+            if name not in holder and not isinstance(owner, (type, types.ModuleType)):  # the object's class's
+                holder = _class_namespace(next((c for c in type(owner).__mro__ if name in vars(c)), object))
         elif _constant_key(following, at) and type(owner) is dict:
             name, path, used_as, at, holder = step.argval, f"{path}[{step.argval!r}]", "", at + 2, owner
         else:
             return
         if name not in holder:
-            return  # a method of the object's class, an attribute it makes on the fly, a missing key
+            return  # an attribute the object makes on the fly, a missing key
         value, label = holder[name], f"{path} (read by {fn.__qualname__})"
         if isinstance(value, types.ModuleType) or _plain_object(value) or (type(value) is dict and _constant_key(following, at)):
             yield used_as, CodeRead(label, holder, name, value, "is")
@@ -786,13 +805,27 @@ def _chain(fn: types.FunctionType, owner: Any, path: str, following: list[dis.In
             continue
         if holder is owner:  # a dict's entry (``CACHE["gram"]``): the dict is compared as a container
             return
-        if isinstance(value, (staticmethod, classmethod)):  # ``Rotary.apply(x)``: its function, walked
-            yield used_as, CodeRead(label, holder, name, value, "is")
+        if isinstance(value, (staticmethod, classmethod, property, types.FunctionType)) and not isinstance(owner, types.ModuleType):
+            # a method or property read on an object or class (``SETTINGS.enabled()``, ``Rotary.apply(x)``):
+            # by identity on its class, its function walked on the object it runs on (:func:`_runs_on`)
+            if not _library_module(_module_name(owner)):
+                yield used_as, CodeRead(label, holder, name, value, "is", _runs_on(value, owner, owner_path))
         elif not (_library_module(_module_name(owner)) and callable(value)):
             read = _read(label, holder, name, value)
             if read is not None:
                 yield used_as, read
         return
+
+
+def _runs_on(method: Any, owner: Any, path: str) -> tuple[Any, str] | None:
+    """What a method read on ``owner`` (at ``path``) gets as its first parameter: the class for a
+    class method, nothing for a static method or a function a class holds read on the class, the
+    object for a method or property read on an object."""
+    if isinstance(method, staticmethod):
+        return None
+    if isinstance(method, classmethod):
+        return (owner, path) if isinstance(owner, type) else (type(owner), f"type({path})")
+    return None if isinstance(owner, type) else (owner, path)
 
 
 def _constant_key(instructions: list[dis.Instruction], at: int) -> bool:

@@ -8,6 +8,7 @@ lives outside the model's instance attributes (issue 13's promise, found wanting
 - A method patched on the class (``nn.Linear.forward``, a model class's ``forward``).
 - Python attributes a data pipeline sets on input tensors (``getattr(x, "packed", False)``).
 - A copy or a saved program made after such a value changed keeps the traced value.
+- What the methods, properties and class methods of a global settings object read on ``self``.
 - torch's process-wide settings read through getters (``torch.get_num_threads()``, the matmul
   precision, ``dist.is_initialized()``) and as flags of ``torch.backends``.
 - Hugging Face: ``GradientCheckpointingLayer.gradient_checkpointing`` (a class default) set on one
@@ -610,6 +611,75 @@ def test_objects_and_tensors_the_code_reads_outside_the_model_guard_their_progra
         RUN, TABLE, _GLOBAL_ARGS = original_run, original_table, original_args
         _GLOBAL_ARGS.extra = False
         BLOCKS["vit"].extra = _HELPER_DEFAULTS.extra = False
+
+
+class _Settings:
+    """A settings object whose methods and properties the forward calls: what they read on ``self``
+    (and on the class) is the call's situation, as an attribute the forward reads directly is."""
+
+    REPEATS = 1  # a class attribute read through the object
+
+    def __init__(self) -> None:
+        self.on = False
+        self._depth = 1
+        self.nested = types.SimpleNamespace(wide=False)
+
+    def enabled(self):
+        return self.on
+
+    def doubled(self):
+        return self.enabled() and self.nested.wide  # a method calling another, and an object two deep
+
+    @property
+    def depth(self):
+        return self._depth
+
+    @classmethod
+    def repeats(cls):
+        return cls.REPEATS
+
+
+OPTIONS = _Settings()
+
+
+class ThroughMethods(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.fc(x)
+        if OPTIONS.enabled():
+            h = self.fc(h)
+        if OPTIONS.doubled():
+            h = self.fc(self.fc(h))
+        for _ in range(OPTIONS.depth + OPTIONS.repeats() + OPTIONS.REPEATS):
+            h = self.fc(h)
+        return h
+
+
+@pytest.mark.parametrize("backward", [False, True])
+def test_what_methods_of_a_global_object_read_guards_their_programs(backward):
+    model = ThroughMethods()
+    wrapper = fxflops.instrument(model, backward=backward)
+    enabled = _Settings.enabled
+    try:
+        _check(wrapper, model, backward, "traced")
+        changes = [
+            ("an attribute a method reads", lambda: setattr(OPTIONS, "on", True)),
+            ("an object two deep, read by a method another calls", lambda: setattr(OPTIONS.nested, "wide", True)),
+            ("an attribute a property reads", lambda: setattr(OPTIONS, "_depth", 3)),
+            ("a class attribute a class method and the forward read", lambda: setattr(_Settings, "REPEATS", 2)),
+            ("the attribute back", lambda: setattr(OPTIONS, "on", False)),
+            ("a method replaced on the class", lambda: setattr(_Settings, "enabled", lambda self: True)),
+            ("the class attribute back", lambda: setattr(_Settings, "REPEATS", 1)),
+        ]
+        for label, change in changes:
+            change()
+            _check(wrapper, model, backward, label)
+    finally:
+        _Settings.enabled, _Settings.REPEATS = enabled, 1
+        OPTIONS.__init__()
 
 
 class _Projection(nn.Module):
