@@ -6,8 +6,9 @@ situation, ``fxflops/situation.py``), and the fast test that a call has a key se
 (:func:`attributes_key`); the value of every Python scalar, string, enum, dtype or device;
 containers by structure; other objects (a cache, a config passed in) by type and contents, their
 tensors as inputs (without sizes: those are symbols the binder reads, so one decode program serves
-every length of a key-value cache); functions by code and closure; a module passed in by what it
-holds (:func:`module_key`), one referred to from elsewhere by identity. :class:`CallKeys` keys a
+every length of a key-value cache), and the plain class defaults of their classes
+(:func:`class_values`); functions by code and closure; a module passed in by what it holds
+(:func:`module_key`), one referred to from elsewhere by identity. :class:`CallKeys` keys a
 whole call by parameter name, defaults filled in, and adds which of its input tensors are one
 object (:func:`aliases`).
 
@@ -35,6 +36,7 @@ from typing import Any
 import torch
 
 from fxflops.capture.inputs import MAX_HELD_DEPTH, PLAIN_TENSORS, held_state, own_attributes
+from fxflops.capture.reads import library_module
 from fxflops.errors import InputError
 
 SCALARS = (  # compared by value
@@ -105,7 +107,7 @@ def _key(value: Any, shapes: bool, held: list | None) -> Any:
             return module_key(value)
         return _opaque_key(value, shapes)
     if held is None or shapes:  # attributes in their order: another order is another key, never a wrong one
-        return (kind, "object", tuple([(name, _key(v, True, None)) for name, v in state.items()]))
+        return (kind, "object", tuple([(name, _key(v, True, None)) for name, v in state.items()]), class_values(kind))
     held[0] -= len(state)
     if held[0] < 0:
         raise InputError(f"an argument object holds more than {_BUDGET} values: fxflops cannot tell its calls apart cheaply")
@@ -124,7 +126,7 @@ def _key(value: Any, shapes: bool, held: list | None) -> Any:
         else:
             items.append((name, _key(v, deep, held)))
     held[1] -= 1
-    return (kind, "object", tuple(items))
+    return (kind, "object", tuple(items), class_values(kind))
 
 
 def layout_key(tensor: torch.Tensor) -> Any:
@@ -230,12 +232,12 @@ def _opaque_key(value: Any, shapes: bool) -> Any:
         return (kind, str(value.dtype), value.shape, value.tobytes())
     slots = _slot_values(value)
     if slots is not None:
-        return (kind, "slots", tuple((name, _key(v, True, None)) for name, v in slots))
+        return (kind, "slots", tuple((name, _key(v, True, None)) for name, v in slots), class_values(kind))
     if isinstance(value, collections.abc.Iterator):  # its items are read by the code that takes it, never by a capture
         return (kind, "iterator")
     state = getattr(value, "__dict__", None)
-    if callable(value) and isinstance(state, dict) and not isinstance(value, (torch.nn.Module, type)):
-        return (kind, "object", tuple((name, _key(v, True, None)) for name, v in state.items()))  # a callable object
+    if callable(value) and isinstance(state, dict) and not isinstance(value, (torch.nn.Module, type)):  # a callable object
+        return (kind, "object", tuple((name, _key(v, True, None)) for name, v in state.items()), class_values(kind))
     return (kind, id(value))
 
 
@@ -248,9 +250,46 @@ def module_key(module: torch.nn.Module) -> tuple:
     calls is another situation. A module an attribute refers to otherwise (a parent, another model)
     is keyed by identity. Walked at every call that passes it: a cost of the order of its modules."""
     return (type(module), id(module), tuple([
-        (path, type(m), id(m), tuple([(name, _key(v, True, None)) for name, v in vars(m).items() if name != "_modules"]))
+        (path, type(m), id(m), tuple([(name, _key(v, True, None)) for name, v in vars(m).items() if name != "_modules"]),
+         class_values(type(m)))
         for path, m in module.named_modules()
     ]))
+
+
+def class_values(kind: type) -> tuple:
+    """The plain values (scalars, and tuples and frozensets of them) that the classes of model code
+    in ``kind``'s method resolution order define, as the class reads them now: a default the code
+    reads through an instance (``opts.deep`` with ``deep = False`` on the class, a layer's
+    ``gradient_checkpointing``) changed on the class between two calls is another key. Not torch's
+    or the standard library's classes. The names are found once per class (one a class gains later
+    is not seen); their values are read at each call, through the class (a subclass shadowing one
+    later is seen)."""
+    names = _CLASS_NAMES.get(kind)
+    if names is None:
+        names = _CLASS_NAMES[kind] = _plain_class_attributes(kind)
+    if not names:
+        return ()
+    return tuple([_key(getattr(kind, name, None), True, None) for name in names])
+
+
+def _plain_class_attributes(kind: type) -> tuple[str, ...]:
+    found: dict[str, None] = {}
+    for cls in kind.__mro__:
+        if library_module(getattr(cls, "__module__", None) or ""):
+            continue
+        for name, value in vars(cls).items():
+            if not name.startswith("__") and name not in found and _plain_value(value):
+                found[name] = None
+    return tuple(found)
+
+
+def _plain_value(value: Any) -> bool:
+    if isinstance(value, (tuple, frozenset)):
+        return len(value) <= 64 and all(_plain_value(v) for v in value)
+    return type(value) in _EXACT_SCALARS or (isinstance(value, SCALARS) and not isinstance(value, type))
+
+
+_CLASS_NAMES: weakref.WeakKeyDictionary[type, tuple[str, ...]] = weakref.WeakKeyDictionary()
 
 
 def _buffer_key(value: bytearray | array.array | memoryview) -> tuple:
@@ -433,6 +472,7 @@ class _Tests:
         self.lines: list[str] = []
         self.scope: dict[str, Any] = {}
         self.tensors: list[tuple[str, torch.Tensor]] = []  # (local, tensor) met where the key records them
+        self.classes: set[type] = set()  # classes whose class_values are tested
 
     def add(self, value: Any, source: str, shapes: bool, held: list | None) -> None:
         """Tests for ``value``, found at ``source`` (mirrors :func:`_key` line by line)."""
@@ -490,6 +530,10 @@ class _Tests:
             self._fail_if(f"{other_type} or _opaque({x}, {shapes}) != {self._constant(key)}")
         else:
             self._fail_if(other_type)
+            if class_values(kind) and kind not in self.classes:  # once per class: a cache's layers share theirs
+                self.classes.add(kind)
+                self.scope["_class_values"] = class_values
+                self._fail_if(f"_class_values({self._constant(kind)}) != {self._constant(class_values(kind))}")
             attributes = self._local(f"{x}.__dict__")
             self._fail_if(f"tuple({attributes}) != {self._constant(tuple(state))}")
             if held is None or shapes:

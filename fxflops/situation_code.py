@@ -69,7 +69,6 @@ import enum
 import functools
 import os
 import sys
-import sysconfig
 import threading
 import types
 import weakref
@@ -81,7 +80,7 @@ import torch
 
 from fxflops.call_keys import SCALARS, value_key
 from fxflops.capture.ambient import traced_context_value
-from fxflops.capture.reads import HOOK_DICTS, NOT_HELD, module_at, named_modules
+from fxflops.capture.reads import HOOK_DICTS, NOT_HELD, library_module, module_at, named_modules
 
 MAX_FUNCTIONS = 512  # functions followed per model: the guards stay cheap, a huge code base is cut short
 MAX_COMPARED = 1024  # values of a module-level container compared per call (a larger one: by identity)
@@ -167,7 +166,7 @@ def _class_reads(model: torch.nn.Module, names: set[str], found: dict) -> dict[t
     for cls in {type(m) for _, m in named_modules(model)} if names else ():
         for name in names:
             owner = next((c for c in cls.__mro__ if name in vars(c)), None)
-            if owner is None or _library_module(owner.__module__ or "") or (id(_class_namespace(owner)), name) in found:
+            if owner is None or library_module(owner.__module__ or "") or (id(_class_namespace(owner)), name) in found:
                 continue
             namespace = _class_namespace(owner)
             if callable(namespace[name]) or isinstance(namespace[name], (staticmethod, classmethod, property)):
@@ -312,24 +311,7 @@ def importable(fn: Any) -> bool:
 
 def _is_library(fn: types.FunctionType) -> bool:
     module = getattr(fn, "__module__", None) or ""
-    return module.startswith(_LIBRARIES) or module == __name__ or _library_module(module)
-
-
-def _library_module(name: str) -> bool:
-    """torch's, fxflops' and the standard library's modules: their functions are not walked. A
-    standard library name is taken for the standard library only where the module loaded under it
-    is (built in, or a file of the interpreter's library): model code in a ``trace.py`` of its own
-    is walked."""
-    top = name.partition(".")[0]
-    if top in ("torch", "fxflops"):
-        return True
-    if top not in sys.stdlib_module_names:
-        return False
-    path = getattr(sys.modules.get(top), "__file__", None)
-    return path is None or os.path.realpath(path).startswith(_STANDARD_LIBRARY)
-
-
-_STANDARD_LIBRARY = os.path.realpath(sysconfig.get_paths()["stdlib"]) + os.sep
+    return module.startswith(_LIBRARIES) or module == __name__ or library_module(module)
 
 
 def _codes(code: types.CodeType) -> Iterator[types.CodeType]:
@@ -808,9 +790,9 @@ def _chain(fn: types.FunctionType, owner: Any, path: str, following: list[dis.In
         if isinstance(value, (staticmethod, classmethod, property, types.FunctionType)) and not isinstance(owner, types.ModuleType):
             # a method or property read on an object or class (``SETTINGS.enabled()``, ``Rotary.apply(x)``):
             # by identity on its class, its function walked on the object it runs on (:func:`_runs_on`)
-            if not _library_module(_module_name(owner)):
+            if not library_module(_module_name(owner)):
                 yield used_as, CodeRead(label, holder, name, value, "is", _runs_on(value, owner, owner_path))
-        elif not (_library_module(_module_name(owner)) and callable(value)):
+        elif not (library_module(_module_name(owner)) and callable(value)):
             read = _read(label, holder, name, value)
             if read is not None:
                 yield used_as, read
@@ -844,7 +826,7 @@ def _followed_owner(owner: Any) -> bool:
         return False
     if isinstance(owner, (types.ModuleType, type)):
         name = _module_name(owner)
-        return not _library_module(name) or name in _STATE_MODULES
+        return not library_module(name) or name in _STATE_MODULES
     return _plain_object(owner)
 
 
@@ -858,7 +840,7 @@ def _plain_object(value: Any) -> bool:
     except Exception:  # noqa: BLE001 - a proxy whose attributes raise: not followed
         return False
     module = type(value).__module__ or ""
-    return module in _NAMESPACE_MODULES or not _library_module(module)
+    return module in _NAMESPACE_MODULES or not library_module(module)
 
 
 _NOT_OBJECTS = (*NOT_HELD, functools.partial)  # what capture/reads.py does not record reads on, and partials

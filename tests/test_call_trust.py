@@ -1741,6 +1741,76 @@ def test_a_module_passed_in_the_call_is_counted_as_it_is_at_each_call(backward):
         assert_counted_call(wrapper, model, (x,), backward, label, {"adapter": adapter})
 
 
+class _Options:
+    deep = False  # class defaults the forward reads through the instance it is passed
+    repeats = (1,)
+
+    def __init__(self) -> None:
+        self.scale = 1.0
+
+
+class _SlotOptions:
+    __slots__ = ("scale",)
+    deep = False
+
+    def __init__(self) -> None:
+        self.scale = 1.0
+
+
+class _ClassFlagAdapter(nn.Module):
+    twice = False  # a class default of a module passed in the call
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.fc(self.fc(x)) if self.twice else self.fc(x)
+
+
+class _TakesOptions(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x, opts, slot_opts, adapter):
+        h = self.fc(x)
+        if opts.deep:
+            h = self.fc(h)
+        for _ in range(sum(opts.repeats)):
+            h = self.fc(h)
+        if slot_opts.deep:
+            h = self.fc(h)
+        return adapter(h)
+
+
+@pytest.mark.parametrize("backward", [False, True])
+def test_class_defaults_of_objects_and_modules_passed_in_the_call_are_part_of_its_key(backward):
+    """``model(x, opts, slot_opts, adapter)`` whose forward reads class defaults through them
+    (``opts.deep`` with ``deep = False`` on the class): each changed on the class, and back, is
+    counted as it runs (was the first call's count: 1536 vs 2048 forward)."""
+    torch.manual_seed(0)
+    model = _TakesOptions()
+    wrapper = fxflops.instrument(model, backward=backward)
+    x, call = torch.randn(4, 8), (_Options(), _SlotOptions(), _ClassFlagAdapter())
+    steps = [
+        ("as built", lambda: None), ("an object's class default", lambda: setattr(_Options, "deep", True)),
+        ("a tuple class default", lambda: setattr(_Options, "repeats", (1, 2))),
+        ("a slotted object's class default", lambda: setattr(_SlotOptions, "deep", True)),
+        ("a module argument's class default", lambda: setattr(_ClassFlagAdapter, "twice", True)),
+        ("all back", lambda: [setattr(c, n, v) for c, n, v in [
+            (_Options, "deep", False), (_Options, "repeats", (1,)), (_SlotOptions, "deep", False), (_ClassFlagAdapter, "twice", False),
+        ]]),
+    ]
+    try:
+        for label, change in steps:
+            change()
+            for _ in range(2):  # the second call of a situation takes the generated fast check
+                assert_counted_call(wrapper, model, (x, *call), backward, label)
+    finally:
+        _Options.deep, _Options.repeats, _SlotOptions.deep, _ClassFlagAdapter.twice = False, (1,), False, False
+
+
 class _Steer:
     """A forward hook object with a flag (activation steering): when on, it adds a projection."""
 

@@ -18,6 +18,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
+import sys
+import sysconfig
 import types
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -295,3 +298,21 @@ def _wrapping(owner: Any, name: str, wrap: Any) -> Iterator[None]:
     with patched(owner, name, lambda *args, **kwargs: wrapped[0](*args, **kwargs)) as original:
         wrapped.append(wrap(original))
         yield
+
+
+def library_module(name: str) -> bool:
+    """torch's, fxflops' and the standard library's modules: not model code (their functions are not
+    walked for what they read, their classes' attributes are not a call's situation). A
+    standard library name is taken for the standard library only where the module loaded under it
+    is (built in, or a file of the interpreter's library): model code in a ``trace.py`` of its own
+    is walked."""
+    top = name.partition(".")[0]
+    if top in ("torch", "fxflops"):
+        return True
+    if top not in sys.stdlib_module_names:
+        return False
+    path = getattr(sys.modules.get(top), "__file__", None)
+    return path is None or os.path.realpath(path).startswith(_STANDARD_LIBRARY)
+
+
+_STANDARD_LIBRARY = os.path.realpath(sysconfig.get_paths()["stdlib"]) + os.sep
