@@ -8,15 +8,17 @@ sizes meet its guards. The situation has three parts, checked on every counted c
   ``requires_grad`` and rank; the value of every Python scalar, string, enum, dtype or device;
   containers by structure; other objects (a cache, a config passed in) by type and contents, their
   tensors as inputs too (without sizes: those are symbols the binder reads, so one decode program
-  serves every length of a key-value cache), which input tensors are one object. Functions by code
-  and closure; a module passed in by what it holds.
+  serves every length of a key-value cache) and their classes' plain defaults, which input tensors
+  are one object. Functions by code and closure; a module passed in by what it holds.
 - :func:`mode_key`: grad mode, inference mode, autocast (per device type: enabled, dtype, cache), the
   scaled-dot-product-attention backends enabled, the MHA fast path, the default dtype, deterministic
   algorithms, checkpointing's early stop.
 - :class:`ModelState`: the model's state the trace depended on (``capture/reads.py`` recorded what it
   read): ``training`` flags and every other plain attribute the trace read from a module or from an
   object a module holds (``config._attn_implementation``; a list, dict or set the model's code or
-  hooks only fill in place, ``self.records.append(...)``, by identity: ``situation_code.code_reads``), the
+  hooks only fill in place, ``self.records.append(...)``, by identity: ``situation_code.code_reads``; what
+  a hook object sets on itself only to keep count, ``self.calls += 1``, not at all, unless its code
+  also reads it otherwise: ``situation_code.attributes_read_beyond_updates``), the
   globals and closure values the code the trace ran reads (``fxflops/situation_code.py``), whether
   each ``functools.lru_cache`` whose work the trace counted is empty (``capture/side_effects.py``:
   the trace computed on a miss), which parameters require grad (programs
@@ -60,7 +62,8 @@ from fxflops.call_keys import ALIASED, SCALARS, described_layout, value_key
 from fxflops.capture.reads import HOOK_DICTS, Reads, hook_at, hook_objects, module_at, named_modules
 from fxflops.errors import InputError
 from fxflops.situation_code import (
-    MAX_COMPARED, TORCH_BASES, CodeRead, SamePartial, code_reads, copied, definition, importable, plain,
+    MAX_COMPARED, TORCH_BASES, CodeRead, SamePartial, attributes_read_beyond_updates, code_reads, copied, definition,
+    importable, plain,
 )
 
 
@@ -689,7 +692,8 @@ def _guards_from(
             _attribute_guards(guards, module, name, f"{path or '<root>'}.{name}", path, None, reads, constants, filled, HELD_DEPTH)
     for path, module in modules.items():  # the attributes the trace read on hooks that are objects (a flag)
         for where, hook in hook_objects(module):
-            read = reads.of_held(hook) - reads.written_on(hook)  # not what it sets itself: a counter, the last output
+            # not what it sets itself only to keep count (a counter, the last output); what it also reads otherwise, yes
+            read = reads.of_held(hook) - (reads.written_on(hook) - attributes_read_beyond_updates(type(hook)))
             for name in sorted(read):
                 label = f"{path or '<root>'}.{where}.{name}"  # a list or dict it reads: a log it fills, by identity
                 _attribute_guards(guards, hook, name, label, path, where, reads, constants, filled | read, HELD_DEPTH - 1)

@@ -462,6 +462,37 @@ def _line_of(instruction: dis.Instruction) -> int | None:
     return instruction.line_number if sys.version_info >= (3, 13) else instruction.starts_line
 
 
+@functools.lru_cache(maxsize=1024)
+def attributes_read_beyond_updates(cls: type) -> frozenset[str]:
+    """The attribute names the methods of ``cls`` and its model-code bases load other than to update
+    the same attribute in the same statement (``self.calls += 1``, ``self.total = self.total + n``
+    are updates; ``if self.calls % 2:``, ``self.fc(x) if self.on else x`` are reads). What a hook
+    object sets on itself only to keep count is its bookkeeping, not its situation; a value it also
+    reads otherwise decides what it runs (``situation.py`` compares it)."""
+    read: set[str] = set()
+    for owner in cls.__mro__:
+        if library_module(getattr(owner, "__module__", None) or ""):
+            continue
+        for value in list(vars(owner).values()):
+            for fn in _functions_in(value):
+                for code in _codes(fn.__code__):
+                    read |= _loads_beyond_updates(code)
+    return frozenset(read)
+
+
+@functools.lru_cache(maxsize=8192)
+def _loads_beyond_updates(code: types.CodeType) -> frozenset[str]:
+    """The attribute names ``code`` loads outside a statement that stores that attribute."""
+    instructions = _instructions(code)
+    starts = [at for at, i in enumerate(instructions) if at == 0 or _line_of(i) is not None] + [len(instructions)]
+    read = set()
+    for start, end in zip(starts, starts[1:]):
+        statement = instructions[start:end]
+        stored = {i.argval for i in statement if i.opname == "STORE_ATTR"}
+        read |= {i.argval for i in statement if i.opname in ("LOAD_ATTR", "LOAD_METHOD") and i.argval not in stored}
+    return frozenset(read)
+
+
 def _reads_of(fn: types.FunctionType, runs_on: tuple[Any, str] | None = None) -> Iterator[tuple[str, CodeRead]]:
     """The globals ``fn``'s code names (those its module holds) and its closure's cells, as reads
     with the name the code uses: plain values and functions (other objects: modules, classes, a

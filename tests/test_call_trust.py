@@ -1857,6 +1857,42 @@ def test_a_hook_object_s_flag_is_part_of_the_model_state(how, backward):
     assert books.calls == 2 * 5 and len(books.shapes) == 2 * 5  # the wrapper's calls and the references', no capture's
 
 
+class _EveryOther:
+    """A forward hook object that counts its calls and projects every other one (a schedule kept in
+    the hook): its counter is bookkeeping and situation at once."""
+
+    def __init__(self, fc: nn.Module) -> None:
+        self.calls, self.fc = 0, fc
+
+    def __call__(self, module, args, out):
+        self.calls += 1
+        return self.fc(out) if self.due() else out
+
+    def due(self):
+        return self.calls % 2 == 0
+
+
+@pytest.mark.parametrize("backward", [False, True])
+def test_a_hook_that_branches_on_its_own_counter_is_counted_as_it_runs(backward):
+    """The counter a hook increments and also reads (in a method it calls) is compared, not taken
+    for bookkeeping: odd and even calls are each counted as they run (was the first call's count
+    on every call: 1024 vs 1536 forward)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    hook = _EveryOther(nn.Linear(8, 8))
+    model[0].register_forward_hook(hook)
+    wrapper = fxflops.instrument(model, backward=backward)
+    x = torch.randn(4, 8)
+    for step in range(4):
+        wrapper.flops.reset()
+        out = wrapper(x)
+        if backward:
+            out.sum().backward()
+        hook.calls -= 1  # the reference call sees the counter the wrapper's call saw
+        assert wrapper.flops.uncounted == 0, step
+        assert wrapper.flops.total() == flop_counter_call(model, (x,), {}, backward=backward), step
+
+
 _FUSED = contextvars.ContextVar("fused", default=False)
 _LOCAL = threading.local()
 
