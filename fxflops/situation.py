@@ -400,11 +400,11 @@ class ModelState:
         self.called = {path: set(reads.of_module(m)) for path, m in named_modules(model) if reads.of_module(m)}
         self.called.update(_held_reads(model, reads))  # the methods of the objects the modules hold run too
         self.functions = reads.functions  # the call's function arguments: their globals are read too
-        code, filled = code_reads(model, self.called, self.functions)  # globals and closures of the code the trace ran
-        self.guards = _guards_from(model, reads, copies, constants, filled)
+        code = code_reads(model, self.called, self.functions)  # globals and closures of the code the trace ran
+        self.guards = _guards_from(model, reads, copies, constants, code.filled, code.counters)
         self.requires_grad = {n: p.requires_grad for n, p in model.named_parameters()} if grad else {}
         self.memos = list(reads.memos.values())  # lru caches whose work the trace did: (cache, empty then)
-        self._bind(code)
+        self._bind(code.code)
 
     def _bind(
         self, code: list[CodeRead] | None = None, traced: dict[str, Any] | None = None, definitions: dict[str, Any] | None = None
@@ -452,7 +452,7 @@ class ModelState:
                 else dataclasses.replace(read, expected=_TracedDefinition(read.label, definitions[read.label]), test="==")
                 if read.label in definitions and definition(read.expected) != definitions[read.label]
                 else read
-                for read in code_reads(self.model, self.called, self.functions)[0]
+                for read in code_reads(self.model, self.called, self.functions).code
             ]
         self.code = code
         tests += _code_tests(self.code, scope)
@@ -670,11 +670,13 @@ class _AsLoaded:
 
 
 def _guards_from(
-    model: torch.nn.Module, reads: Reads, copies: dict[str, str], constants: set[int], filled: set[str]
+    model: torch.nn.Module, reads: Reads, copies: dict[str, str], constants: set[int], filled: set[str], counters: frozenset[str]
 ) -> list[StateGuard]:
     """A guard per attribute the trace read (or would have read, in a copied layer), with the value
     it has on the real model after the capture; a list, dict or set under a name in ``filled`` (the
-    code fills it in place: a log, a cache) by identity."""
+    code fills it in place: a log, a cache) by identity; none for what the traced code set on a
+    module only by updating it (a name in ``counters`` that no method of the module's class,
+    torch's included, reads otherwise: ``self.calls += 1``), or every call would be another situation."""
     modules = dict(named_modules(model))
     sources = [(path, reads.of_module(m)) for path, m in modules.items() if reads.of_module(m)]
     for copy, template in copies.items():
@@ -689,11 +691,13 @@ def _guards_from(
         for name in sorted(names):
             if name in _MODULE_INTERNALS or _registered(module, name):
                 continue  # structure and hooks (the structure check)
+            if name in counters and name in reads.written_on(module) and name not in attributes_read_beyond_updates(type(module), True):
+                continue  # its own bookkeeping
             _attribute_guards(guards, module, name, f"{path or '<root>'}.{name}", path, None, reads, constants, filled, HELD_DEPTH)
     for path, module in modules.items():  # the attributes the trace read on hooks that are objects (a flag)
         for where, hook in hook_objects(module):
             # not what it sets itself only to keep count (a counter, the last output); what it also reads otherwise, yes
-            read = reads.of_held(hook) - (reads.written_on(hook) - attributes_read_beyond_updates(type(hook)))
+            read = reads.of_held(hook) - (reads.written_on(hook) - attributes_read_beyond_updates(type(hook), False))
             for name in sorted(read):
                 label = f"{path or '<root>'}.{where}.{name}"  # a list or dict it reads: a log it fills, by identity
                 _attribute_guards(guards, hook, name, label, path, where, reads, constants, filled | read, HELD_DEPTH - 1)

@@ -8,8 +8,8 @@ the code instead of interpreting it, so it guards what the code *can* read (:fun
 names the model classes' functions load (their code objects' ``co_names``, nested code included)
 that their module's globals hold, and the cells of their closures, following the functions those
 name into their own globals (model code only: not torch's, not fxflops'); the same for the methods
-the trace called on the plain objects the modules hold (``self.bank.read()``), the modules' hooks,
-the functions the modules hold as attributes (``self.select = select``) and those the call passes (``how=fn``:
+the trace called on the plain objects the modules hold (``self.bank.read()``), the modules' hooks
+(a hook object's ``__call__``, with ``self`` standing for the object), the functions the modules hold as attributes (``self.select = select``) and those the call passes (``how=fn``:
 its key is its code and closure, its globals are read here; a saved program keeps those of importable
 functions only). Plain values (numbers,
 strings, flags, tuples of them) are compared by value, functions, bound methods and builtins by
@@ -112,7 +112,18 @@ class CodeRead:
         return value == self.expected if self.test == "==" else value is self.expected
 
 
-def code_reads(model: torch.nn.Module, called: dict[str, set[str]], functions: list[Any] = ()) -> tuple[list[CodeRead], set[str]]:
+@dataclass(frozen=True)
+class CodeReads:
+    """What :func:`code_reads` finds: the reads to compare, the attribute names the code only fills
+    in place (``filled``), and those it only updates (``counters``: ``self.calls += 1``, read
+    nowhere but in their own update; empty when the walk was cut short)."""
+
+    code: list[CodeRead]
+    filled: set[str]
+    counters: frozenset[str]
+
+
+def code_reads(model: torch.nn.Module, called: dict[str, set[str]], functions: list[Any] = ()) -> CodeReads:
     """The globals and closure values the code the capture ran can read (module docstring): the
     methods the trace called on the model's modules (``called``: module path -> attribute names the
     capture read there, such as ``forward``, ``get_image_features``, a loss function property), the
@@ -122,8 +133,10 @@ def code_reads(model: torch.nn.Module, called: dict[str, set[str]], functions: l
     ``module.losses.extend(...)`` in a hook) and uses in no other way: a log the model keeps, which
     ``situation.py`` compares by identity, or every call that adds to it would be another situation.
     One it also reads (``torch.cat(self.mems)``, ``len(self.records)``) stays compared by value: its
-    contents can change the count (a memory the next call attends over). Containers of the globals
-    and closures are compared as :func:`_container_read` says."""
+    contents can change the count (a memory the next call attends over). And the attribute names
+    that code sets only by updating them (:func:`_loads_beyond_updates`): a module's call counter,
+    compared by nothing (a new value per call would be a new situation per call). Containers of the
+    globals and closures are compared as :func:`_container_read` says."""
     found: dict[tuple[int, str | None], CodeRead] = {}
     changed: set[tuple[int, str | None]] = set()  # containers some function changes in place
     used: set[tuple[int, str | None]] = set()  # containers some function reads, tests or passes on
@@ -132,7 +145,11 @@ def code_reads(model: torch.nn.Module, called: dict[str, set[str]], functions: l
     attributes_set: set[str] = set()  # attributes some function assigns (``cfg.calls += 1``)
     module_attributes: set[tuple[int, str | None]] = set()  # reads along attribute chains (``cfg.FLAG``, ``ARGS.n``)
     class_attributes: set[str] = set()  # attributes read on a class (``type(module).FUSED``)
+    beyond_updates: set[str] = set()  # attributes some function loads other than to update them
+    walked = 0
     for fn, reads in _followed(model, called, functions):
+        walked += 1
+        beyond_updates.update(*map(_loads_beyond_updates, _codes(fn.__code__)))
         uses = _uses(fn.__code__)
         attributes_changed |= uses.attributes_changed
         attributes_used |= uses.attributes_used
@@ -156,7 +173,8 @@ def code_reads(model: torch.nn.Module, called: dict[str, set[str]], functions: l
             read = found[where]
             found[where] = _assigned(read.label, read.namespace, read.key, read.now())
     code = [_container_read(read, where in changed, where in used) for where, read in found.items()]
-    return code, attributes_changed - attributes_used
+    counters = frozenset(attributes_set - beyond_updates) if walked < MAX_FUNCTIONS else frozenset()
+    return CodeReads(code, attributes_changed - attributes_used, counters)
 
 
 def _class_reads(model: torch.nn.Module, names: set[str], found: dict) -> dict[tuple[int, str], CodeRead]:
@@ -240,7 +258,8 @@ def _followed(
     :data:`MAX_FUNCTIONS`; not library code)."""
     seen: set[tuple[int, int]] = set()
     todo: list[tuple[types.FunctionType, tuple[Any, str] | None]] = [
-        (f, None) for f in (*_called_methods(model, called), *_hooks(model), *(f for v in functions for f in _functions_in(v)))
+        *((f, None) for f in _called_methods(model, called)), *_hooks(model),
+        *(pair for value in functions for pair in _code_run_by(value, "a function the call passes")),
     ]
     while todo and len(seen) < MAX_FUNCTIONS:
         fn, runs_on = todo.pop()
@@ -254,12 +273,26 @@ def _followed(
             todo += [(f, read.runs_on) for f in _functions_in(value)]
 
 
-def _hooks(model: torch.nn.Module) -> Iterator[types.FunctionType]:
-    """The functions of the hooks on the model's modules (a hook runs in the call as its module's code does)."""
-    for _, module in named_modules(model):
+def _hooks(model: torch.nn.Module) -> Iterator[tuple[types.FunctionType, tuple[Any, str] | None]]:
+    """The functions of the hooks on the model's modules (a hook runs in the call as its module's
+    code does), with the object each runs on (:func:`_code_run_by`)."""
+    for path, module in named_modules(model):
         for name in HOOK_DICTS:
-            for hook in list(getattr(module, name).values()):
-                yield from _functions_in(hook)
+            for i, hook in enumerate(list(getattr(module, name).values())):
+                yield from _code_run_by(hook, f"{path or '<root>'}.{name}#{i}")
+
+
+def _code_run_by(value: Any, path: str) -> Iterator[tuple[types.FunctionType, tuple[Any, str] | None]]:
+    """The functions a callable runs, each with the object its first parameter is (``runs_on``):
+    a bound method's object, a callable object's (``__call__`` of its class: a hook kept as an
+    object with settings); a function's, a partial's: none."""
+    owner = getattr(value, "__self__", None) if isinstance(value, types.MethodType) else value
+    if isinstance(value, types.MethodType) and _plain_object(owner):
+        yield from ((f, (owner, path)) for f in _functions_in(value.__func__))
+    elif callable(value) and _plain_object(value) and not isinstance(value, types.FunctionType):
+        yield from ((f, (value, path)) for f in _functions_in(getattr(type(value), "__call__", None)))
+    else:
+        yield from ((f, None) for f in _functions_in(value))
 
 
 def _called_methods(model: torch.nn.Module, called: dict[str, set[str]]) -> Iterator[types.FunctionType]:
@@ -463,15 +496,16 @@ def _line_of(instruction: dis.Instruction) -> int | None:
 
 
 @functools.lru_cache(maxsize=1024)
-def attributes_read_beyond_updates(cls: type) -> frozenset[str]:
-    """The attribute names the methods of ``cls`` and its model-code bases load other than to update
-    the same attribute in the same statement (``self.calls += 1``, ``self.total = self.total + n``
-    are updates; ``if self.calls % 2:``, ``self.fc(x) if self.on else x`` are reads). What a hook
-    object sets on itself only to keep count is its bookkeeping, not its situation; a value it also
-    reads otherwise decides what it runs (``situation.py`` compares it)."""
+def attributes_read_beyond_updates(cls: type, library: bool) -> frozenset[str]:
+    """The attribute names the methods of ``cls`` and its bases (torch's and the standard library's
+    only with ``library``) load other than to update the same attribute in the same statement
+    (``self.calls += 1``, ``self.total = self.total + n`` are updates; ``if self.calls % 2:``,
+    ``self.fc(x) if self.on else x`` are reads). What a hook object or a module sets on itself only
+    to keep count is its bookkeeping, not its situation; a value it also reads otherwise decides
+    what it runs (``situation.py`` compares it)."""
     read: set[str] = set()
     for owner in cls.__mro__:
-        if library_module(getattr(owner, "__module__", None) or ""):
+        if not library and library_module(getattr(owner, "__module__", None) or ""):
             continue
         for value in list(vars(owner).values()):
             for fn in _functions_in(value):

@@ -1857,6 +1857,35 @@ def test_a_hook_object_s_flag_is_part_of_the_model_state(how, backward):
     assert books.calls == 2 * 5 and len(books.shapes) == 2 * 5  # the wrapper's calls and the references', no capture's
 
 
+STEERING = False  # a module-level switch a hook object's __call__ reads
+
+
+class _GloballySteered:
+    def __init__(self, fc: nn.Module) -> None:
+        self.fc = fc
+
+    def __call__(self, module, args, out):
+        return self.fc(out) if STEERING else out
+
+
+@pytest.mark.parametrize("backward", [False, True])
+def test_a_hook_object_s_code_is_walked_for_the_globals_it_reads(backward):
+    """A hook registered as a callable object reads a global in ``__call__``: switched between
+    calls, and back, each call is counted as it runs (was the first call's count: 1024 vs 1536)."""
+    global STEERING
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    model[0].register_forward_hook(_GloballySteered(nn.Linear(8, 8)))
+    wrapper = fxflops.instrument(model, backward=backward)
+    x = torch.randn(4, 8)
+    try:
+        for step, on in enumerate((False, True, True, False)):
+            STEERING = on
+            assert_counted_call(wrapper, model, (x,), backward, (step, on))
+    finally:
+        STEERING = False
+
+
 class _EveryOther:
     """A forward hook object that counts its calls and projects every other one (a schedule kept in
     the hook): its counter is bookkeeping and situation at once."""
@@ -1891,6 +1920,63 @@ def test_a_hook_that_branches_on_its_own_counter_is_counted_as_it_runs(backward)
         hook.calls -= 1  # the reference call sees the counter the wrapper's call saw
         assert wrapper.flops.uncounted == 0, step
         assert wrapper.flops.total() == flop_counter_call(model, (x,), {}, backward=backward), step
+
+
+class _CountingBlock(nn.Module):
+    """Keeps count of its calls and of the rows it saw: its own bookkeeping, read nowhere else."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.calls, self.rows = 0, 0
+
+    def forward(self, x):
+        self.calls += 1
+        self.rows = self.rows + x.shape[0]
+        return self.fc(x)
+
+
+def _due(module) -> bool:
+    return module.calls % 2 == 0
+
+
+class _ReadsTheCount(nn.Module):
+    """Projects every other call, by its block's counter read in its forward or in a helper."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how, self.block, self.extra = how, _CountingBlock(), nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.block(x)
+        due = self.block.calls % 2 == 0 if self.how == "forward" else _due(self.block)
+        return self.extra(h) if due else h
+
+
+@pytest.mark.parametrize("backward", [False, True])
+def test_a_module_s_call_counter_is_its_bookkeeping_unless_the_code_reads_it(backward):
+    """A counter a module only updates (``self.calls += 1``) is not a situation: one capture serves
+    every call, and the counter counts the real calls. Read beyond its update (by the parent's
+    forward, by a helper), it is: every call counted as it runs (a recapture per call)."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 8)
+    model = nn.Sequential(_CountingBlock(), nn.Linear(8, 8))
+    wrapper = fxflops.instrument(model, backward=backward)
+    for step in range(4):
+        assert_counted_call(wrapper, model, (x,), backward, step)
+    assert wrapper.captures == 1
+    assert model[0].calls == 8 and model[0].rows == 32  # the wrapper's four calls and the references'
+    for how in ("forward", "helper"):
+        model = _ReadsTheCount(how)
+        wrapper = fxflops.instrument(model, backward=backward)
+        for step in range(4):
+            wrapper.flops.reset()
+            out = wrapper(x)
+            if backward:
+                out.sum().backward()
+            model.block.calls -= 1  # the reference call sees the counter the wrapper's call saw
+            assert wrapper.flops.uncounted == 0, (how, step)
+            assert wrapper.flops.total() == flop_counter_call(model, (x,), {}, backward=backward), (how, step)
 
 
 _FUSED = contextvars.ContextVar("fused", default=False)
