@@ -528,6 +528,8 @@ class Instrumented(torch.nn.Module):
             except Exception:
                 self._attempt.failed = (branch, branch.refusals[-1])
                 raise
+            if program.state is not None and not program.state.matches():  # what the capture could not see
+                return self._measured_unseen(branch, sizes, f"{name}: {program.state.mismatch()}"), None
         return program, program.binder.values(args, kwargs)
 
     @contextlib.contextmanager
@@ -609,6 +611,18 @@ class Instrumented(torch.nn.Module):
                 "pass it as a tensor, or raise max_programs",
                 stacklevel=5,
             )
+        return spine
+
+    def _measured_unseen(self, branch: _Branch, sizes: tuple, reason: str) -> Spine:
+        """The calls of a situation whose capture saw another state than the call (an object a
+        context variable holds, which a capture's context does not: ``capture/ambient.py``): the
+        program serves the calls in the state it saw; these are measured whole (exact, slower)."""
+        reason = f"{reason}: the capture could not see the state this call runs in"
+        spine = Spine.whole(self.traced, reason)
+        branch.refusals.append(_Refusal(sizes, None, reason, "", spine))
+        if reason not in self._warned:
+            self._warned.add(reason)
+            warn(f"fxflops: {reason}; such calls are measured op by op (exact, slower)", stacklevel=5)
         return spine
 
     def _refused_state(self, exc: Exception) -> ModelState | None:

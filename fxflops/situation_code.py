@@ -52,8 +52,11 @@ calls on such an object (``SETTINGS.enabled()``, ``SETTINGS.depth``) is compared
 its class, and its code is walked with ``self`` standing for the object: what it reads there
 (``self.on``, ``self.nested.wide``, another method) is read as the code's own attribute reads
 are; a class attribute read through the object (``SETTINGS.REPEATS``) is compared as a global
-is. Not seen: an object reached through a call's result other than a getter's, or through a
-computed key; an object a context variable holds.
+is. The object a context variable holds (``CFG.get().deep``) is read as the capture saw it
+(:class:`InContext`: a capture's context holds only the caller's flags, so another object set by
+the caller is another situation, which ``instrument.py`` measures), and the object a thread-local
+holds (``LOCAL.cfg.deep``) as the calling thread holds it (:class:`ThreadAttributes`). Not seen: an
+object reached through a call's result other than a getter's, or through a computed key.
 (Attributes of the model's modules and of the objects they hold, class attributes among them, are
 ``fxflops/situation.py``'s; the call's arguments ``fxflops/call_keys.py``'s.)
 """
@@ -582,7 +585,10 @@ def _attribute_reads(fn: types.FunctionType, runs_on: tuple[Any, str] | None = N
             (namespace, key, owner), after = found
             path = runs_on[1] if runs_on and owner is runs_on[0] and instruction.opname == "LOAD_FAST" else instruction.argval
             chain = list(_chain(fn, owner, path, instructions[after:]))
-            if chain and namespace is not None:  # the global or closure variable rebound
+            if chain and isinstance(namespace, InContext):  # another object set in the calling context
+                label = f"{instruction.argval}.get() (the object {fn.__qualname__} reads attributes of, in this context)"
+                yield "", CodeRead(label, namespace, key, owner, "is")
+            elif chain and namespace is not None:  # the global or closure variable rebound
                 yield "", CodeRead(f"{instruction.argval} (an object {fn.__qualname__} reads attributes of)", namespace, key, owner, "is")
             yield from chain
 
@@ -748,7 +754,11 @@ def _root(
     if instruction.opname == "LOAD_GLOBAL" and name in fn.__globals__:
         root: _Root = (fn.__globals__, name, fn.__globals__[name])
         call = _call_without_arguments(instructions, after)
-        if call is not None:
+        got = _call_without_arguments(instructions, after + 1) if _loads(instructions, after, "get") else None
+        if isinstance(root[2], contextvars.ContextVar) and got is not None:  # ``CFG.get().deep``: the object it holds
+            namespace = InContext(root[2])
+            root, after = (namespace, "value", _seen_in_capture(root[2])), got
+        elif call is not None:
             returned = _returned_global(root[2])
             if returned is None:
                 return None
@@ -766,6 +776,58 @@ def _root(
     if type(root[2]) is dict:  # ``REGISTRY["vit"].depth``: the dict itself is compared as a global is
         return (None, None, root[2]), after
     return (root, after) if _followed_owner(root[2]) else None
+
+
+def _loads(instructions: list[dis.Instruction], at: int, name: str) -> bool:
+    """Whether ``instructions[at]`` loads attribute or method ``name``."""
+    return at < len(instructions) and instructions[at].opname in ("LOAD_ATTR", "LOAD_METHOD") and instructions[at].argval == name
+
+
+def _seen_in_capture(var: contextvars.ContextVar) -> Any:
+    """What ``var.get()`` returns in a capture's context for the calling context's value: a flag,
+    number or string as it is; otherwise (an object, unset) its default, or :data:`_UNSET`
+    (``capture/ambient.flags_context``)."""
+    value = _value_of(var)
+    return value if traced_context_value(value) else contextvars.Context().run(_value_of, var)
+
+
+class ThreadAttributes:
+    """A ``threading.local``'s attributes as a namespace: those of the calling thread (KeyError
+    where it has none by that name), so that a read through it (``LOCAL.cfg``) compares what each
+    calling thread holds, not what the thread that walked the code held."""
+
+    __slots__ = ("local",)
+
+    def __init__(self, local: threading.local) -> None:
+        self.local = local
+
+    def __getitem__(self, key: str) -> Any:
+        try:
+            return vars(self.local)[key]
+        except KeyError:
+            raise KeyError(key) from None
+
+    def __contains__(self, key: str) -> bool:
+        return key in vars(self.local)
+
+
+class InContext:
+    """A context variable as a namespace of one key, ``"value"``: what ``var.get()`` returns in the
+    calling context (KeyError where it is unset without a default). Code reading attributes of the
+    object a context variable holds (``CFG.get().deep``) is guarded by ``namespace["value"] is``
+    the object the capture saw: the default (a capture's context does not hold the caller's
+    objects, ``capture/ambient.py``), so a call made with another object set is not the traced one."""
+
+    __slots__ = ("var",)
+
+    def __init__(self, var: contextvars.ContextVar) -> None:
+        self.var = var
+
+    def __getitem__(self, key: str) -> Any:
+        value = _value_of(self.var)
+        if value is _UNSET:
+            raise KeyError(key)
+        return value
 
 
 def _assigned_once(
@@ -836,7 +898,10 @@ def _chain(fn: types.FunctionType, owner: Any, path: str, following: list[dis.In
         step, owner_path = following[at], path
         if step.opname in ("LOAD_ATTR", "LOAD_METHOD") and _followed_owner(owner):
             name, path, used_as, at = step.argval, f"{path}.{step.argval}", "." + step.argval, at + 1
-            holder = _class_namespace(next((c for c in owner.__mro__ if name in vars(c)), object)) if isinstance(owner, type) else vars(owner)
+            if isinstance(owner, type):
+                holder = _class_namespace(next((c for c in owner.__mro__ if name in vars(c)), object))
+            else:
+                holder = ThreadAttributes(owner) if isinstance(owner, threading.local) else vars(owner)
             if name not in holder and not isinstance(owner, (type, types.ModuleType)):  # the object's class's
                 holder = _class_namespace(next((c for c in type(owner).__mro__ if name in vars(c)), object))
         elif _constant_key(following, at) and type(owner) is dict:
@@ -886,9 +951,12 @@ def _constant_key(instructions: list[dis.Instruction], at: int) -> bool:
 def _followed_owner(owner: Any) -> bool:
     """Whether the attributes read on a module, a class or an object are followed: model code's
     (not an enumeration's members, which are constants), and of the standard library the values of
-    :data:`_STATE_MODULES` and plain namespaces (``types.SimpleNamespace``, ``argparse.Namespace``)."""
+    :data:`_STATE_MODULES`, plain namespaces (``types.SimpleNamespace``, ``argparse.Namespace``) and
+    thread-local objects (``LOCAL.cfg.deep``: the calling thread's, :class:`ThreadAttributes`)."""
     if isinstance(owner, enum.EnumMeta):
         return False
+    if isinstance(owner, threading.local):
+        return True
     if isinstance(owner, (types.ModuleType, type)):
         name = _module_name(owner)
         return not library_module(name) or name in _STATE_MODULES

@@ -30,6 +30,7 @@ import pickle
 import sys
 import threading
 import types
+import warnings
 from os import getenv
 
 import pytest
@@ -2001,6 +2002,83 @@ def _switch(how: str, on: bool) -> None:
         _FUSED.set(on)
     else:
         _LOCAL.on = on
+
+
+_DEFAULT_OPTIONS = types.SimpleNamespace(deep=False)
+_OPTIONS_VAR = contextvars.ContextVar("options", default=_DEFAULT_OPTIONS)
+_THREAD = threading.local()
+
+
+class _ThroughHeldOptions(nn.Module):
+    """Reads a flag on the object a context variable or a thread-local holds (``VAR.get().deep``,
+    ``LOCAL.options.deep``): a per-request or per-thread settings object."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how, self.fc = how, nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.fc(x)
+        options = _OPTIONS_VAR.get().deep if self.how == "context variable" else _THREAD.options.deep
+        return self.fc(h) if options else h
+
+
+@pytest.mark.parametrize("backward", [False, True])
+@pytest.mark.parametrize("how", ["context variable", "thread-local"])
+def test_the_object_a_context_variable_or_thread_local_holds_is_part_of_the_situation(how, backward):
+    """The object's flag flipped, another object set, the first one back: each call counted as it
+    runs (was the first call's count: 512 vs 1024). A capture's context does not hold the caller's
+    objects, so a call with another object in its context variable is measured, exactly; a
+    thread's own object, in a thread of its own."""
+    torch.manual_seed(0)
+    model = _ThroughHeldOptions(how)
+    wrapper = fxflops.instrument(model, backward=backward)
+    x = torch.randn(4, 8)
+    _THREAD.options = _DEFAULT_OPTIONS
+    token = None
+
+    def put(options) -> None:  # noqa: ANN001
+        nonlocal token
+        if how == "thread-local":
+            _THREAD.options = options
+        elif options is _DEFAULT_OPTIONS:
+            _OPTIONS_VAR.reset(token)
+        else:
+            token = _OPTIONS_VAR.set(options)
+
+    try:
+        assert_counted_call(wrapper, model, (x,), backward, "default")
+        _DEFAULT_OPTIONS.deep = True
+        assert_counted_call(wrapper, model, (x,), backward, "default's flag set")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # measured: said once
+            put(types.SimpleNamespace(deep=False))
+            assert_counted_call(wrapper, model, (x,), backward, "another object")
+            (_OPTIONS_VAR.get() if how == "context variable" else _THREAD.options).deep = True
+            assert_counted_call(wrapper, model, (x,), backward, "another object's flag set")
+        put(_DEFAULT_OPTIONS)
+        _DEFAULT_OPTIONS.deep = False
+        assert_counted_call(wrapper, model, (x,), backward, "default back")
+        if how == "thread-local":
+            results = []
+
+            def other_thread() -> None:
+                _THREAD.options = types.SimpleNamespace(deep=True)
+                wrapper.flops.reset()
+                out = wrapper(x)
+                if backward:
+                    out.sum().backward()
+                results.append((wrapper.flops.total(), flop_counter_call(model, (x,), {}, backward=backward)))
+
+            thread = threading.Thread(target=other_thread)
+            thread.start()
+            thread.join(timeout=60)
+            (counted, reference), = results
+            assert counted == reference
+            assert_counted_call(wrapper, model, (x,), backward, "this thread's again")
+    finally:
+        _DEFAULT_OPTIONS.deep = False
+        _THREAD.options = _DEFAULT_OPTIONS
 
 
 @pytest.mark.parametrize("backward", [False, True])

@@ -25,7 +25,8 @@ Context variables (:func:`flags_context`): a capture runs in a context of its ow
 caller's context variables whose values are flags, numbers or strings (``USE_FUSED.get()`` in model
 code traces as the call runs; ``situation_code.ContextValue`` guards it); the others are unset there
 (transformers' output collectors of a running call: lists its hooks append to, which must never
-receive the trace's fake tensors).
+receive the trace's fake tensors). Code reading attributes of such an object (``CFG.get().deep``)
+traces its default: a call with another object set is measured (``situation_code.InContext``).
 """
 
 from __future__ import annotations
