@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from fxflops.capture.inputs import MAX_HELD_DEPTH, PLAIN_TENSORS, held_state, own_attributes
-from fxflops.capture.reads import library_module
+from fxflops.capture.reads import attribute, library_module
 from fxflops.errors import InputError
 
 SCALARS = (  # compared by value
@@ -235,7 +235,7 @@ def _opaque_key(value: Any, shapes: bool) -> Any:
         return (kind, "slots", tuple((name, _key(v, True, None)) for name, v in slots), class_values(kind))
     if isinstance(value, collections.abc.Iterator):  # its items are read by the code that takes it, never by a capture
         return (kind, "iterator")
-    state = getattr(value, "__dict__", None)
+    state = attribute(value, "__dict__")
     if callable(value) and isinstance(state, dict) and not isinstance(value, (torch.nn.Module, type)):  # a callable object
         return (kind, "object", tuple((name, _key(v, True, None)) for name, v in state.items()), class_values(kind))
     return (kind, id(value))

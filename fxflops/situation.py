@@ -59,7 +59,7 @@ from torch.utils.hooks import RemovableHandle
 
 from fxflops.analysis.paths import inside, moved
 from fxflops.call_keys import ALIASED, SCALARS, described_layout, value_key
-from fxflops.capture.reads import HOOK_DICTS, Reads, hook_at, hook_objects, module_at, named_modules
+from fxflops.capture.reads import HOOK_DICTS, Reads, attribute, hook_at, hook_objects, module_at, named_modules
 from fxflops.errors import InputError
 from fxflops.situation_code import (
     MAX_COMPARED, TORCH_BASES, CodeRead, SamePartial, attributes_read_beyond_updates, code_reads, copied, definition,
@@ -715,7 +715,7 @@ def _held_reads(model: torch.nn.Module, reads: Reads) -> dict[str, set[str]]:
     def visit(obj: Any, names: set[str], key: str, depth: int) -> None:
         for name in sorted(names):
             value = vars(obj).get(name)
-            inner = reads.of_held(value) if getattr(value, "__dict__", None) is not None else None
+            inner = reads.of_held(value) if attribute(value, "__dict__") is not None else None
             if inner and depth > 0 and not isinstance(value, (torch.nn.Module, type)):
                 held = f"{key}.{name}" if "|" in key else f"{key}|{name}"
                 found[held] = set(inner)
@@ -745,19 +745,19 @@ def _attribute_guards(
                 guards.setdefault(_guard_key(guard, obj), guard)
         return
     value = state[name]
-    if getattr(value, "fxflops_own", False):
+    if attribute(value, "fxflops_own", False):
         return  # fxflops' own (a routing probe)
     if name in filled and isinstance(value, _FILLED) and not any(id(t) in constants for t in _leaves(value)):
         guard = StateGuard(label, path, held, name, value, "is")  # a log (its tensors, if any, unused by the trace)
     else:
         guard = _guard(label, path, held, name, value, constants, reads.values)
     guards.setdefault(("instance", id(state), name), guard)
-    inner = getattr(value, "__dict__", None)
+    inner = attribute(value, "__dict__")
     if inner is None or plain(value) or guard.test != "is" or depth <= 0:
         return  # compared whole (by value or contents), or not an object the trace looked into
     inside = name if held is None else f"{held}.{name}"
-    for attribute in sorted(reads.of_held(value)):
-        _attribute_guards(guards, value, attribute, f"{label}.{attribute}", path, inside, reads, constants, filled, depth - 1)
+    for name_inside in sorted(reads.of_held(value)):
+        _attribute_guards(guards, value, name_inside, f"{label}.{name_inside}", path, inside, reads, constants, filled, depth - 1)
 
 
 def _guard_key(guard: StateGuard, obj: Any) -> tuple:
@@ -850,8 +850,8 @@ def _by_contents(value: Any) -> bool:
     kind = type(value)
     static_type = not kind.__flags__ & _HEAP_TYPE
     return isinstance(value, functools.partial) or kind.__module__ == "numpy" or (
-        getattr(value, "__dict__", None) is None and hasattr(value, "__slots__")
-    ) or (static_type and hasattr(value, "__dict__"))
+        attribute(value, "__dict__") is None and attribute(value, "__slots__") is not None
+    ) or (static_type and attribute(value, "__dict__") is not None)
 
 
 _HEAP_TYPE = 1 << 9  # Py_TPFLAGS_HEAPTYPE: a class defined in Python (its reads can be recorded)

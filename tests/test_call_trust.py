@@ -683,6 +683,62 @@ def test_what_methods_of_a_global_object_read_guards_their_programs(backward):
         OPTIONS.__init__()
 
 
+class _AttrDict(dict):
+    """The common config idiom whose missing attributes raise KeyError, not AttributeError."""
+
+    __getattr__ = dict.__getitem__
+    __setattr__ = dict.__setitem__
+
+
+class _Strict:
+    """Slots and a ``__getattr__`` raising for any name it lacks (a proxy, a lazy config)."""
+
+    __slots__ = ("n",)
+
+    def __init__(self) -> None:
+        self.n = 1
+
+    def __getattr__(self, name):
+        raise RuntimeError(f"no setting {name}")
+
+
+ATTR_OPTIONS = _AttrDict(n=1)
+
+
+class _ReadsAttrDicts(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.cfg, self.strict = _AttrDict(n=1), _Strict()
+
+    def forward(self, x, opts):
+        for _ in range(ATTR_OPTIONS.n + self.cfg.n + self.strict.n + opts.n):
+            x = self.fc(x)
+        return x
+
+
+@pytest.mark.parametrize("backward", [False, True])
+def test_objects_whose_getattr_raises_other_errors_are_counted_and_guarded(backward):
+    """A global AttrDict, one a module holds, an argument and a held object whose ``__getattr__``
+    raises other than AttributeError: every call counted (was: not counted at all, "internal error
+    KeyError: '__self__'"), and a setting changed in each is counted as it runs."""
+    model = _ReadsAttrDicts()
+    wrapper = fxflops.instrument(model, backward=backward)
+    opts = _AttrDict(n=1)
+    x = torch.randn(4, 8)
+    changes = [
+        ("as built", lambda: None), ("a global AttrDict", lambda: setattr(ATTR_OPTIONS, "n", 2)),
+        ("a held AttrDict", lambda: setattr(model.cfg, "n", 2)), ("a held object with slots", lambda: setattr(model.strict, "n", 2)),
+        ("an argument AttrDict", lambda: setattr(opts, "n", 2)),
+    ]
+    try:
+        for label, change in changes:
+            change()
+            assert_counted_call(wrapper, model, (x, opts), backward, label)
+    finally:
+        ATTR_OPTIONS.n = 1
+
+
 class _Projection(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from fxflops.capture.reads import attribute
 from fxflops.errors import CaptureError, InputError
 
 Path = tuple[Any, ...]
@@ -42,7 +43,7 @@ def held_state(value: Any) -> dict[str, Any] | None:
     passed in); None for what is not such an object (tensors, containers, scalars, modules, functions)."""
     if isinstance(value, (torch.Tensor, list, tuple, dict, _NOT_HELD_STATE)) or callable(value):
         return None
-    return getattr(value, "__dict__", None)
+    return attribute(value, "__dict__")
 
 
 @dataclass(frozen=True)

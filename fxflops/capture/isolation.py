@@ -51,7 +51,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-from fxflops.capture.reads import held_objects, named_modules
+from fxflops.capture.reads import attribute, held_objects, named_modules
 from fxflops.errors import CaptureError
 
 _MISSING = object()
@@ -150,7 +150,7 @@ def _slot_values(obj: Any) -> dict[Any, Any]:
 
 def attribute_values(obj: Any) -> list[Any]:
     """The values of ``obj``'s attributes: its ``__dict__``'s and its slots'."""
-    own = getattr(obj, "__dict__", None)
+    own = attribute(obj, "__dict__")
     values = list(own.values()) if isinstance(own, dict) else []
     if _slot_descriptors(type(obj)):
         values += [v for v in _slot_values(obj).values() if v is not _MISSING]
@@ -160,7 +160,7 @@ def attribute_values(obj: Any) -> list[Any]:
 def saved_object(obj: Any) -> list[Restorer]:
     """Restorers putting back ``obj``'s attributes (``__dict__`` entries and slot values) by
     identity and the contents of the containers they hold."""
-    own = getattr(obj, "__dict__", None)
+    own = attribute(obj, "__dict__")
     state = own if isinstance(own, dict) else {}
     slots = _slot_values(obj) if _slot_descriptors(type(obj)) else {}
 
@@ -231,7 +231,7 @@ def _owned(value: Any, copies: dict[int, Any]) -> Any:
     container copied one level with copied objects in it; anything else shared. A wrapper fxflops
     installed on a module (``fxflops_wraps``: a generation route, a routing probe) is not the
     model's: the twin holds what it wraps."""
-    while hasattr(value, "fxflops_wraps"):
+    while attribute(value, "fxflops_wraps") is not None:
         value = value.fxflops_wraps
     if id(value) in copies:
         return copies[id(value)]
@@ -295,7 +295,7 @@ def _plain(value: Any) -> bool:
 
 def _has_state(value: Any) -> bool:
     """Whether ``value`` is an object with attributes of its own (a ``__dict__`` or slots)."""
-    return hasattr(value, "__dict__") or bool(_slot_descriptors(type(value)))
+    return attribute(value, "__dict__") is not None or bool(_slot_descriptors(type(value)))
 
 
 def _shared(obj: Any) -> dict[int, Any]:
@@ -308,7 +308,7 @@ def _shared(obj: Any) -> dict[int, Any]:
         if id(value) in seen:
             continue
         seen.add(id(value))
-        if isinstance(value, (torch.Tensor, torch.nn.Module)) or callable(value) and not hasattr(value, "__dict__"):
+        if isinstance(value, (torch.Tensor, torch.nn.Module)) or callable(value) and attribute(value, "__dict__") is None:
             memo[id(value)] = value
             continue
         if isinstance(value, dict):

@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from fxflops.capture.reads import attribute
 from fxflops.capture.scope import patched
 from fxflops.capture.shape_env import format_location, is_library_file
 from fxflops.capture.side_effects import Reach
@@ -150,7 +151,7 @@ def _drawing_names(generators: dict[int, tuple[Any, Any]], namespaces: list[dict
         if owner is None or vars(owner) is not namespace:
             continue
         for name, value in list(namespace.items()):
-            generator = getattr(value, "__self__", None)
+            generator = attribute(value, "__self__")
             if id(generator) in generators and generators[id(generator)][0] is generator and callable(value) and name not in _READERS:
                 found.append((owner, name, generator))
     return found

@@ -183,7 +183,7 @@ def hook_at(module: torch.nn.Module, where: str) -> Any:
 def _is_held(value: Any) -> bool:
     kind = type(value)
     return (
-        hasattr(value, "__dict__")
+        attribute(value, "__dict__") is not None
         and not isinstance(value, NOT_HELD)
         and kind.__module__ not in ("builtins", "functools", "collections", "enum")
         and not issubclass(kind, BaseException)
@@ -316,3 +316,13 @@ def library_module(name: str) -> bool:
 
 
 _STANDARD_LIBRARY = os.path.realpath(sysconfig.get_paths()["stdlib"]) + os.sep
+
+
+def attribute(value: Any, name: str, default: Any = None) -> Any:
+    """``getattr(value, name, default)`` that never raises: a user's object whose ``__getattr__``
+    raises something else than AttributeError for a name it lacks (``class AttrDict(dict):
+    __getattr__ = dict.__getitem__`` raises KeyError), or a property that fails, reads as absent."""
+    try:
+        return getattr(value, name, default)
+    except Exception:  # noqa: BLE001 - any object's own lookup
+        return default

@@ -55,6 +55,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from fxflops.capture.markers import repeat_marker
+from fxflops.capture.reads import attribute
 
 _STRUCTURE = frozenset({"_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"})  # compared as state and tree
 _HOOK_FLAGS = {  # a hook registry -> the registries flagging how each of its hooks is called
@@ -126,7 +127,7 @@ def _key(value: Any, seen: tuple[int, ...]) -> Any:
         return ("method", _key(value.__func__, inner), _key(value.__self__, inner))
     if isinstance(value, functools.partial):
         return ("partial", _key(value.func, inner), _key(value.args, inner), _key(value.keywords, inner))
-    state = getattr(value, "__dict__", None)
+    state = attribute(value, "__dict__")
     if isinstance(state, dict) and not isinstance(value, type):  # a held object: its class and attributes
         return ("object", type(value), _key(state, inner))
     try:

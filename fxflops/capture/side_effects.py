@@ -78,7 +78,7 @@ import torch.nn.modules.module as module_module
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fxflops.capture.isolation import Restorer, attribute_values, restore_all, saved_bindings, saved_contents, saved_object
-from fxflops.capture.reads import Reads
+from fxflops.capture.reads import Reads, attribute
 from fxflops.capture.scope import patched, patched_cell
 from fxflops.errors import CaptureError
 
@@ -256,7 +256,7 @@ class _Walk:
         a library's, whose code is not followed (the module tracker of the user's FlopCounterMode,
         whose global module hooks run in the trace)."""
         library = not isinstance(owner, (type, types.ModuleType)) and not self.model_code(type(owner).__module__)
-        if library and hasattr(owner, "__dict__") and id(owner) not in self.seen:
+        if library and attribute(owner, "__dict__") is not None and id(owner) not in self.seen:
             self.seen.add(id(owner))
             self.reach.objects.append(owner)
 
@@ -311,10 +311,10 @@ class _Walk:
 
     def attributes(self, cls: type, names: set[str]) -> None:
         for name in names & vars(cls).keys():
-            attribute = vars(cls)[name]
-            if _is_lru_cache(attribute) or isinstance(attribute, staticmethod) and _is_lru_cache(attribute.__func__):
+            value = vars(cls)[name]
+            if _is_lru_cache(value) or isinstance(value, staticmethod) and _is_lru_cache(value.__func__):
                 self.reach.caches[(id(cls), name)] = (cls, name)
-            self.todo.extend(_parts(attribute))
+            self.todo.extend(_parts(value))
 
 
 def reach_of(model: torch.nn.Module) -> Reach:
