@@ -22,7 +22,7 @@ sizes meet its guards. The situation has three parts, checked on every counted c
   globals and closure values the code the trace ran reads (``fxflops/situation_code.py``), whether
   each ``functools.lru_cache`` whose work the trace counted is empty (``capture/side_effects.py``:
   the trace computed on a miss), which parameters require grad (programs
-  traced with grad enabled), and the model's structure: the identity of every module, parameter and
+  traced with grad enabled, and those whose code reads ``requires_grad``), and the model's structure: the identity of every module, parameter and
   buffer, their shapes, dtypes and devices, and the number of hooks. The modules a module holds
   without registering them (a distillation teacher in ``__dict__``, modules in a dict attribute:
   ``capture/reads.py``'s ``named_modules``) are the model's here as the registered ones are.
@@ -402,7 +402,8 @@ class ModelState:
         self.functions = reads.functions  # the call's function arguments: their globals are read too
         code = code_reads(model, self.called, self.functions)  # globals and closures of the code the trace ran
         self.guards = _guards_from(model, reads, copies, constants, code.filled, code.counters)
-        self.requires_grad = {n: p.requires_grad for n, p in model.named_parameters()} if grad else {}
+        # which parameters require grad: a traced backward's, or a forward's whose code reads it
+        self.requires_grad = {n: p.requires_grad for n, p in model.named_parameters()} if grad or code.reads_requires_grad else {}
         self.memos = list(reads.memos.values())  # lru caches whose work the trace did: (cache, empty then)
         self._bind(code.code)
 

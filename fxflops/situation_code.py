@@ -124,6 +124,7 @@ class CodeReads:
     code: list[CodeRead]
     filled: set[str]
     counters: frozenset[str]
+    reads_requires_grad: bool  # some walked code names ``requires_grad`` (``if self.fc.weight.requires_grad:``)
 
 
 def code_reads(model: torch.nn.Module, called: dict[str, set[str]], functions: list[Any] = ()) -> CodeReads:
@@ -149,9 +150,10 @@ def code_reads(model: torch.nn.Module, called: dict[str, set[str]], functions: l
     module_attributes: set[tuple[int, str | None]] = set()  # reads along attribute chains (``cfg.FLAG``, ``ARGS.n``)
     class_attributes: set[str] = set()  # attributes read on a class (``type(module).FUSED``)
     beyond_updates: set[str] = set()  # attributes some function loads other than to update them
-    walked = 0
+    walked, reads_requires_grad = 0, False
     for fn, reads in _followed(model, called, functions):
         walked += 1
+        reads_requires_grad = reads_requires_grad or any("requires_grad" in c.co_names for c in _codes(fn.__code__))
         beyond_updates.update(*map(_loads_beyond_updates, _codes(fn.__code__)))
         uses = _uses(fn.__code__)
         attributes_changed |= uses.attributes_changed
@@ -177,7 +179,7 @@ def code_reads(model: torch.nn.Module, called: dict[str, set[str]], functions: l
             found[where] = _assigned(read.label, read.namespace, read.key, read.now())
     code = [_container_read(read, where in changed, where in used) for where, read in found.items()]
     counters = frozenset(attributes_set - beyond_updates) if walked < MAX_FUNCTIONS else frozenset()
-    return CodeReads(code, attributes_changed - attributes_used, counters)
+    return CodeReads(code, attributes_changed - attributes_used, counters, reads_requires_grad or walked >= MAX_FUNCTIONS)
 
 
 def _class_reads(model: torch.nn.Module, names: set[str], found: dict) -> dict[tuple[int, str], CodeRead]:

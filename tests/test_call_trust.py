@@ -739,6 +739,31 @@ def test_objects_whose_getattr_raises_other_errors_are_counted_and_guarded(backw
         ATTR_OPTIONS.n = 1
 
 
+class _SkipsFrozen(nn.Module):
+    """Applies its side branch only while it trains (``if weight.requires_grad``), as code
+    that skips frozen branches does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.side = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return self.side(h) if self.side.weight.requires_grad else h
+
+
+def test_a_forward_reading_requires_grad_is_counted_as_it_runs_under_no_grad():
+    """Under no_grad the trace still follows ``requires_grad``: the side branch frozen, and trained
+    again, each call counted as it runs (was the first call's count: 1024 vs 512)."""
+    model = _SkipsFrozen()
+    wrapper = fxflops.instrument(model)
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        for step, trains in enumerate((True, False, True)):
+            model.side.requires_grad_(trains)
+            assert_counted_call(wrapper, model, (x,), False, (step, trains))
+
+
 class _Projection(nn.Module):
     def __init__(self) -> None:
         super().__init__()
