@@ -106,7 +106,7 @@ def derived_sizes() -> bool:
             with torch.no_grad():
                 wrapper(**batch)  # captured (and counted) on the host
             host += wrapper.flops.total()
-        prepared = [wrapper.adapter.prepare((), {k: v.cuda() for k, v in b.items()}) for b in batches]
+        prepared = [wrapper._adapter.prepare((), {k: v.cuda() for k, v in b.items()}) for b in batches]
         wrapper.flops.reset()
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")

@@ -56,7 +56,7 @@ def capture_seconds(family: str, depth: int) -> tuple[float, int]:
     wrapper = fxflops.instrument(model, backward=True, strict=True)
     batch = hf_zoo.random_batch(family, random.Random(0), videos=0)
     start = time.perf_counter()
-    wrapper._count(*wrapper.adapter.prepare((), batch), training=True)
+    wrapper._count(*wrapper._adapter.prepare((), batch), training=True)
     return time.perf_counter() - start, 2 * depth
 
 
@@ -88,18 +88,18 @@ def counting_cost(family: str, rounds: int, n_batches: int) -> dict[str, float]:
     samples: dict[str, list[float]] = {k: [] for k in kinds}
 
     def forget() -> None:  # a grid the adapter has not derived metadata for (a new resolution)
-        wrapper.adapter._derived_by_grid.clear()
+        wrapper._adapter._derived_by_grid.clear()
 
     with torch.no_grad():
         wrapper(**batches[0])  # capture
         for r in range(rounds):
             batch = batches[r % n_batches]
-            args, kwargs = wrapper.adapter.prepare((), batch)
+            args, kwargs = wrapper._adapter.prepare((), batch)
             binder = wrapper._program_for(args, kwargs)[0].binder
             samples["count"].append(_seconds(lambda: wrapper._count(args, kwargs), repeat=200))
             samples["bind"].append(_seconds(lambda: binder.values(args, kwargs), repeat=200))
-            samples["derive"].append(_seconds(lambda: wrapper.adapter.prepare((), batch), repeat=5))
-            samples["derive_new"].append(_seconds(lambda: (forget(), wrapper.adapter.prepare((), batch)), repeat=5))
+            samples["derive"].append(_seconds(lambda: wrapper._adapter.prepare((), batch), repeat=5))
+            samples["derive_new"].append(_seconds(lambda: (forget(), wrapper._adapter.prepare((), batch)), repeat=5))
             samples["with_metadata"].append(_seconds(lambda: model(*args, **kwargs)))
             samples["count_in_situ"].append(_seconds(lambda: wrapper._count(args, kwargs)))  # right after a forward
             model(*args, **kwargs)

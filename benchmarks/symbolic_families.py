@@ -73,8 +73,8 @@ def run(family: str, rounds: int, n_batches: int = 6) -> dict[str, float]:
         del batch["labels"]
     symbolic = fxflops.instrument(model, strict=True)
     measured = fxflops.instrument(model, strict=True)
-    setattr(measured.adapter, piece, None)  # as before the piece: the base model's own code measured
-    figures = {"capture": seconds(lambda: symbolic._count(*symbolic.adapter.prepare((), batches[0])))}
+    setattr(measured._adapter, piece, None)  # as before the piece: the base model's own code measured
+    figures = {"capture": seconds(lambda: symbolic._count(*symbolic._adapter.prepare((), batches[0])))}
     with torch.no_grad():
         for batch in batches:  # every program and child program captured before timing
             symbolic(**batch)
@@ -92,8 +92,8 @@ def run(family: str, rounds: int, n_batches: int = 6) -> dict[str, float]:
             samples.pop("flopcounter")
         for _ in range(rounds):
             for batch in batches:
-                prepared = symbolic.adapter.prepare((), batch)
-                samples["prepare"].append(seconds(lambda: symbolic.adapter.prepare((), batch)))
+                prepared = symbolic._adapter.prepare((), batch)
+                samples["prepare"].append(seconds(lambda: symbolic._adapter.prepare((), batch)))
                 samples["count"].append(seconds(lambda: symbolic._count(*prepared)))
                 samples["plain"].append(seconds(lambda: model(**batch)))
                 samples["symbolic"].append(seconds(lambda: symbolic(**batch)))

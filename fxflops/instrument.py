@@ -133,6 +133,15 @@ def _size_class(args: tuple, kwargs: dict) -> tuple:
     )
 
 
+_PRIVATE = {  # the wrapper's own settings, private: a model's child or attribute of the same name (an
+    # ``adapter``, a ``prefix`` encoder, Hugging Face's ``model``) is the model's, as through the model
+    name: "_" + name for name in (
+        "model", "traced", "adapter", "dims", "segments", "per_segment", "backward", "strict_metadata", "on_miss",
+        "strict", "max_programs", "measure", "prefix", "rules", "routing",
+    )
+}
+
+
 class Instrumented(torch.nn.Module):
     """The model behind ``fxflops.instrument``; see the module docstring."""
 
@@ -163,25 +172,25 @@ class Instrumented(torch.nn.Module):
         self._modules = model._modules
         for hooks in _STATE_DICT_HOOKS:  # the root's state_dict and load hooks are the model's
             setattr(self, hooks, getattr(model, hooks))
-        object.__setattr__(self, "model", model)  # what a call runs
-        object.__setattr__(self, "traced", traced_module(model))  # whose code a capture traces
-        self.dims = dims
-        self.segments = segments
-        self.per_segment = per_segment
-        self.backward = backward_rule(backward)
-        self.strict_metadata = strict_metadata
-        self.on_miss = on_miss
-        self.strict = strict
-        self.max_programs = max_programs
-        self.measure = measure  # calls whose capture fails in a module are measured there (fxflops/islands.py)
-        self.prefix = prefix  # the module path this wrapper counts at (a measured call's child)
+        object.__setattr__(self, "_model", model)  # what a call runs
+        object.__setattr__(self, "_traced", traced_module(model))  # whose code a capture traces
+        self._dims = dims
+        self._segments = segments
+        self._per_segment = per_segment
+        self._backward = backward_rule(backward)
+        self._strict_metadata = strict_metadata
+        self._on_miss = on_miss
+        self._strict = strict
+        self._max_programs = max_programs
+        self._measure = measure  # calls whose capture fails in a module are measured there (fxflops/islands.py)
+        self._prefix = prefix  # the module path this wrapper counts at (a measured call's child)
         self._children: dict[str, Instrumented] = {}  # a measured call's children, each counted by its own programs
-        self.adapter = adapter_for(self.traced)
+        self._adapter = adapter_for(self._traced)
         # Python int arguments traced as symbols: the adapter's, and those dims names with a string
-        symbolic = self.adapter.symbolic_arguments | {name for name, spec in (dims or {}).items() if isinstance(spec, str)}
-        self._call_keys = CallKeys(self.traced.forward, frozenset(symbolic))
-        self.rules = per_use_entries(rules) if rules else None  # per-use FLOPs rules (rules.overlaid): checked now
-        self.routing = RoutingProbes(self.traced, self.rules) if measure_routing else None
+        symbolic = self._adapter.symbolic_arguments | {name for name, spec in (dims or {}).items() if isinstance(spec, str)}
+        self._call_keys = CallKeys(self._traced.forward, frozenset(symbolic))
+        self._rules = per_use_entries(rules) if rules else None  # per-use FLOPs rules (rules.overlaid): checked now
+        self._routing = RoutingProbes(self._traced, self._rules) if measure_routing else None
         self.programs: list[Program] = []
         self.flops = meter if meter is not None else Meter()
         self.captures = 0
@@ -194,7 +203,7 @@ class Instrumented(torch.nn.Module):
         """What a copy or a load rebuilds: the forward with the model's signature, the capture lock."""
         # forward keeps the model's signature: frameworks read it (the HF Trainer keeps only the
         # dataset columns that are forward parameters, and finds label names there)
-        self.forward = types.MethodType(_with_signature(type(self).forward, self.traced.forward), self)
+        self.forward = types.MethodType(_with_signature(type(self).forward, self._traced.forward), self)
         self._lock = threading.Lock()
         self._lock_owner: int | None = None  # the thread holding it
         self._attempt = threading.local()  # .failed: (branch, refusal) of a capture that failed on this thread's call
@@ -207,9 +216,16 @@ class Instrumented(torch.nn.Module):
         return state
 
     def __setstate__(self, state: dict) -> None:
-        state = {"measure": True, "prefix": "", "_children": {}, **state}  # saved before measured islands
+        state = {_PRIVATE.get(name, name): value for name, value in state.items()}  # saved before they were private
+        state = {"_measure": True, "_prefix": "", "_children": {}, **state}  # saved before measured islands
         self.__dict__.update(state)
         self._init_runtime()
+
+    @property
+    def wrapped_model(self) -> torch.nn.Module:
+        """The model this wrapper runs and counts (its attributes and children are also the
+        wrapper's: ``wrapper.model`` is a Hugging Face model's inner ``model``, as on the model)."""
+        return self._model
 
     @property
     def program(self) -> Program | None:
@@ -220,32 +236,32 @@ class Instrumented(torch.nn.Module):
     def training(self) -> bool:
         """The model's own flag: ``model.train()``/``model.eval()`` called on the model, not on this
         wrapper, shows here too (a framework reading ``wrapper.training`` sees the model's mode)."""
-        model = self.__dict__.get("model")
+        model = self.__dict__.get("_model")
         return True if model is None else model.training
 
     @training.setter
     def training(self, mode: bool) -> None:  # nn.Module.__init__ sets it before the model is held
-        model = self.__dict__.get("model")
+        model = self.__dict__.get("_model")
         if model is not None:
             model.training = mode
 
     def train(self, mode: bool = True) -> Instrumented:
-        self.model.train(mode)
+        self._model.train(mode)
         return self
 
     def _save_to_state_dict(self, destination: dict, prefix: str, keep_vars: bool) -> None:
         # the root's own entries as the model saves them (its get_extra_state, an override)
-        self.model._save_to_state_dict(destination, prefix, keep_vars)
+        self._model._save_to_state_dict(destination, prefix, keep_vars)
 
     def _load_from_state_dict(self, state_dict: dict, prefix: str, *args: Any, **kwargs: Any) -> None:
         # as the model loads them (its set_extra_state, an override renaming old keys)
-        self.model._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        self._model._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
         try:
             return super().__getattr__(name)
         except AttributeError:
-            return getattr(object.__getattribute__(self, "model"), name)
+            return getattr(object.__getattribute__(self, "_model"), name)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling():  # torch.compile(instrument(model)): see the module docstring
@@ -253,22 +269,22 @@ class Instrumented(torch.nn.Module):
         if capturing() or id(self.flops) in _RUNNING.meters:
             # inside a capture (an instrumented submodule is traced as the model's code), or inside a
             # call this meter counts (a model calling its own wrapper): that call's count has this work
-            return self.model(*args, **kwargs)
+            return self._model(*args, **kwargs)
         self._attempt.failed = None
         args, kwargs, found, deferred = self._look_up(args, kwargs, defer=True)
         measured = found is not None and isinstance(found[0], Spine)
         recompute = torch._C._current_graph_task_id() != -1  # run by a backward: checkpoint() around this wrapper
         if recompute and measured:
-            self._not_counted(CaptureError(f"{type(self.traced).__name__}: a measured call recomputed by checkpoint() is not counted"))
+            self._not_counted(CaptureError(f"{type(self._traced).__name__}: a measured call recomputed by checkpoint() is not counted"))
             found, measured = None, False
         try:
             with _running(self.flops):
-                out = self._measured(found[0], self.model, args, kwargs) if measured else self.model(*args, **kwargs)
+                out = self._measured(found[0], self._model, args, kwargs) if measured else self._model(*args, **kwargs)
         except BaseException as exc:
             self._forget_failed_capture()
             if recompute and found is not None and isinstance(exc, _STOPPED_RECOMPUTATION):
                 self._not_counted(CaptureError(
-                    f"{type(self.traced).__name__}: a non-reentrant checkpoint() around the instrumented model stopped its "
+                    f"{type(self._traced).__name__}: a non-reentrant checkpoint() around the instrumented model stopped its "
                     "recompute early (torch's early stop): the part it ran is not counted; checkpoint inside the model, "
                     "or use use_reentrant=True or set_checkpoint_early_stop(False) around it"
                 ), raising=False)
@@ -295,19 +311,19 @@ class Instrumented(torch.nn.Module):
         args, kwargs, found = self._look_up_eagerly(args, kwargs)
         if found is not None and isinstance(found[0], Spine):
             self._not_counted_eagerly(CaptureError(
-                f"{type(self.traced).__name__}: a measured call ({found[0].reasons}) is not counted inside torch.compile"
+                f"{type(self._traced).__name__}: a measured call ({found[0].reasons}) is not counted inside torch.compile"
             ))
             found = None
-        out = self.model(*args, **kwargs)
+        out = self._model(*args, **kwargs)
         self._add_eagerly(found, out)
         return out
 
     def _measured(self, spine: Spine, forward: Callable[..., Any], args: tuple, kwargs: dict, phase: str = "fwd") -> Any:
         """Run a call of a measured situation (``fxflops/islands.py``) and add it whole, or not at all."""
-        if self.model is not self.traced:  # a compiled module: its submodule calls are not routed
-            self._not_counted(CaptureError(f"{type(self.traced).__name__}: a measured call is not counted through torch.compile"))
+        if self._model is not self._traced:  # a compiled module: its submodule calls are not routed
+            self._not_counted(CaptureError(f"{type(self._traced).__name__}: a measured call is not counted through torch.compile"))
             return forward(*args, **kwargs)
-        training = self.backward != "none" and torch.is_grad_enabled()
+        training = self._backward != "none" and torch.is_grad_enabled()
         try:
             call = MeasuredCall(self, spine, training)
         except Exception as exc:  # noqa: BLE001 - the fail-open boundary
@@ -325,11 +341,11 @@ class Instrumented(torch.nn.Module):
         own programs, on this wrapper's meter at that path; its capture failures are raised
         (``measure=False``) so that the measured call can measure inside it instead."""
         counter = self._children.get(path)
-        if counter is None or counter.traced is not module:
-            inside = {k[len(path) + 1 :]: v for k, v in (self.per_segment or {}).items() if k.startswith(path + ".")}
+        if counter is None or counter._traced is not module:
+            inside = {k[len(path) + 1 :]: v for k, v in (self._per_segment or {}).items() if k.startswith(path + ".")}
             counter = Instrumented(
-                module, None, self.segments, inside or None, self.strict_metadata, self.backward, "recapture", self.strict,
-                self.max_programs, self.flops, False, self.rules, measure=False, prefix=_joined(self.prefix, path),
+                module, None, self._segments, inside or None, self._strict_metadata, self._backward, "recapture", self._strict,
+                self._max_programs, self.flops, False, self._rules, measure=False, prefix=_joined(self._prefix, path),
             )
             self._children[path] = counter
         return counter
@@ -356,14 +372,14 @@ class Instrumented(torch.nn.Module):
         try:
             transform = transform_around()
             if transform is not None:
-                raise CaptureError(f"{type(self.traced).__name__}: called inside {transform}: its work is not what the call's sizes describe")
+                raise CaptureError(f"{type(self._traced).__name__}: called inside {transform}: its work is not what the call's sizes describe")
             args, kwargs = self._prepare(args, kwargs)
             found = self._program_for(args, kwargs)
-            if self.routing is not None:
-                self.routing.take()  # measurements of an earlier call that was not counted
+            if self._routing is not None:
+                self._routing.take()  # measurements of an earlier call that was not counted
         except Exception as exc:  # noqa: BLE001 - the one fail-open boundary (module docstring)
             found = None
-            if defer and self.strict and isinstance(exc, CaptureError):  # the model's own error (an assert) may be why
+            if defer and self._strict and isinstance(exc, CaptureError):  # the model's own error (an assert) may be why
                 self.flops.not_counted()
                 deferred = exc
             else:
@@ -376,17 +392,17 @@ class Instrumented(torch.nn.Module):
         if found is None:
             return
         try:
-            training = self.backward != "none" and torch.is_grad_enabled() and _requires_grad(out)
+            training = self._backward != "none" and torch.is_grad_enabled() and _requires_grad(out)
             program, monomials = found[0], self._monomials(*found)
             nodes = _output_nodes(out) if training else ()
             call = phase != RECOMPUTED  # a recompute is a call counted already
             if nodes:  # the forward now, the backward when (and each time) one runs from the outputs
-                self.flops.add(program, monomials, False, prefix=self.prefix, phase=phase, call=call)
-                bill = _BackwardBill(self.flops, program, monomials, self.prefix)
+                self.flops.add(program, monomials, False, prefix=self._prefix, phase=phase, call=call)
+                bill = _BackwardBill(self.flops, program, monomials, self._prefix)
                 for node in nodes:
                     node.register_prehook(bill)
             else:
-                self.flops.add(program, monomials, training and call, prefix=self.prefix, phase=phase, call=call)
+                self.flops.add(program, monomials, training and call, prefix=self._prefix, phase=phase, call=call)
             state = getattr(found[0], "state", None)
             if state is not None and not state.settled:  # after the call it was captured for (situation.py)
                 state.settle()
@@ -397,10 +413,10 @@ class Instrumented(torch.nn.Module):
         """The model's ``generate`` (transformers), every forward it makes counted: the prompt's as
         phase ``prefill``, each later step's as ``decode`` (``fxflops/generation.py``); the tokens it
         produced are added to ``flops.generated_tokens``."""
-        generate = self.traced.generate  # an AttributeError naming the model when it has none
-        if getattr(getattr(self.traced, "config", None), "is_encoder_decoder", False):
+        generate = self._traced.generate  # an AttributeError naming the model when it has none
+        if getattr(getattr(self._traced, "config", None), "is_encoder_decoder", False):
             self._not_counted(CaptureError(
-                f"{type(self.traced).__name__}.generate is not counted: an encoder-decoder model runs its encoder "
+                f"{type(self._traced).__name__}.generate is not counted: an encoder-decoder model runs its encoder "
                 "outside the forward (fxflops/generation.py)"
             ))
             return generate(*args, **kwargs)
@@ -419,12 +435,12 @@ class Instrumented(torch.nn.Module):
 
         with contextlib.ExitStack() as stack:
             try:  # routing the model's own calls can fail only before generate starts: then run it uncounted
-                stack.enter_context(counting_own_calls(self.traced, count))
+                stack.enter_context(counting_own_calls(self._traced, count))
             except Exception as exc:  # noqa: BLE001 - the fail-open boundary
                 self._not_counted(exc)
             out = generate(*args, **kwargs)
         try:
-            self.flops.generated_tokens += generated_tokens(self.traced, args, kwargs, out)
+            self.flops.generated_tokens += generated_tokens(self._traced, args, kwargs, out)
         except Exception as exc:  # noqa: BLE001 - the fail-open boundary
             self._not_counted(exc)
         return out
@@ -437,7 +453,7 @@ class Instrumented(torch.nn.Module):
 
     def _raises(self, exc: Exception) -> bool:
         """Whether the user asked for ``exc`` to be raised rather than counted as uncounted."""
-        return self.strict or (self.on_miss == "raise" and isinstance(exc, GuardError))
+        return self._strict or (self._on_miss == "raise" and isinstance(exc, GuardError))
 
     def _not_counted(self, exc: Exception, raising: bool = True) -> None:
         """A call fxflops could not count: raise when asked to (and ``raising``: not where another
@@ -453,18 +469,18 @@ class Instrumented(torch.nn.Module):
         model runs it (and skips deriving it), the program binds it. A failure leaves the call as is
         (the model's own code will raise it again, or the count fails open)."""
         try:
-            return self.adapter.prepare(args, kwargs)
+            return self._adapter.prepare(args, kwargs)
         except Exception as exc:
-            if self.strict:
+            if self._strict:
                 raise
-            self._warn_once(f"{type(self.traced).__name__}: could not derive metadata: {type(exc).__name__}: {exc}")
+            self._warn_once(f"{type(self._traced).__name__}: could not derive metadata: {type(exc).__name__}: {exc}")
             return args, kwargs
 
     def _count(self, args: tuple, kwargs: dict, training: bool = False) -> None:
         """Count one (prepared) call without running the model."""
         program, values = self._program_for(args, kwargs)
         if isinstance(program, Spine):
-            raise CaptureError(f"{type(self.traced).__name__}: this call is measured ({program.reasons}): it is counted only when it runs")
+            raise CaptureError(f"{type(self._traced).__name__}: this call is measured ({program.reasons}): it is counted only when it runs")
         self.flops.add(program, self._monomials(program, values), training)
 
     def _program_for(
@@ -507,12 +523,12 @@ class Instrumented(torch.nn.Module):
                 return refused.spine, None
             if not branch.programs and self.programs:
                 miss = self._nearest_difference(situation)
-            name = type(self.traced).__name__
-            if self.programs and self.on_miss == "raise":
+            name = type(self._traced).__name__
+            if self.programs and self._on_miss == "raise":
                 raise GuardError(f"{name}: {miss}")
-            if len(self.programs) >= self.max_programs:
-                reason = f"{name}: {miss}; already {len(self.programs)} programs (max_programs={self.max_programs}), not capturing another"
-                if not self.measure:
+            if len(self.programs) >= self._max_programs:
+                reason = f"{name}: {miss}; already {len(self.programs)} programs (max_programs={self._max_programs}), not capturing another"
+                if not self._measure:
                     raise GuardError(reason)
                 return self._measured_whole(branch, sizes, reason), None
             if refused is not None:
@@ -521,7 +537,7 @@ class Instrumented(torch.nn.Module):
                 program = self._capture(branch, situation, sizes, args, kwargs, roots)
             except CaptureError as exc:
                 self._attempt.failed = (branch, branch.refusals[-1])
-                if exc.module is None or not self.measure:
+                if exc.module is None or not self._measure:
                     raise
                 branch.refusals[-1].spine = Spine(exc.module, str(exc))
                 return branch.refusals[-1].spine, None
@@ -539,7 +555,7 @@ class Instrumented(torch.nn.Module):
         the model) is refused, not left waiting for itself."""
         me = threading.get_ident()
         if self._lock_owner == me:
-            raise FxFlopsError(f"{type(self.traced).__name__}: called again from inside its own capture (re-entrant call): not counted")
+            raise FxFlopsError(f"{type(self._traced).__name__}: called again from inside its own capture (re-entrant call): not counted")
         with self._lock:
             self._lock_owner = me
             try:
@@ -574,14 +590,14 @@ class Instrumented(torch.nn.Module):
         """Capture this call as a new program of ``branch`` (in the call's own modes: a backward is
         traced when grad is enabled)."""
         started = time.perf_counter()
-        rule = "none" if self.backward == "traced" and not torch.is_grad_enabled() else self.backward
+        rule = "none" if self._backward == "traced" and not torch.is_grad_enabled() else self._backward
         branch.attempts += 1
         try:
             program = build_program(
-                self.traced, args, kwargs, self.adapter, dims=self.dims, per_segment=self.per_segment,
-                segments=self.segments, strict_metadata=self.strict_metadata,
+                self._traced, args, kwargs, self._adapter, dims=self._dims, per_segment=self._per_segment,
+                segments=self._segments, strict_metadata=self._strict_metadata,
                 backward=rule,
-                allow_pins=bool(self.programs), rules=self.rules, situation=situation, roots=roots,
+                allow_pins=bool(self.programs), rules=self._rules, situation=situation, roots=roots,
             )
         except Exception as exc:
             reason = str(exc) if isinstance(exc, FxFlopsError) else f"capture failed: {type(exc).__name__}: {exc}"
@@ -594,14 +610,14 @@ class Instrumented(torch.nn.Module):
         branch.programs.append(program)
         self.captures += 1
         self.programs.append(program)
-        if self.routing is not None:
-            self.routing.watch(program.experts)
+        if self._routing is not None:
+            self._routing.watch(program.experts)
         return program
 
     def _measured_whole(self, branch: _Branch, sizes: tuple, reason: str) -> Spine:
         """The calls of a situation that gets no program of its own, measured whole: exact at every
         size, slower than a program (each op priced as it runs). Said once per wrapper."""
-        spine = Spine.whole(self.traced, reason)
+        spine = Spine.whole(self._traced, reason)
         branch.refusals.append(_Refusal(sizes, None, reason, "", spine))
         if "max_programs" not in self._warned:
             self._warned.add("max_programs")
@@ -618,7 +634,7 @@ class Instrumented(torch.nn.Module):
         context variable holds, which a capture's context does not: ``capture/ambient.py``): the
         program serves the calls in the state it saw; these are measured whole (exact, slower)."""
         reason = f"{reason}: the capture could not see the state this call runs in"
-        spine = Spine.whole(self.traced, reason)
+        spine = Spine.whole(self._traced, reason)
         branch.refusals.append(_Refusal(sizes, None, reason, "", spine))
         if reason not in self._warned:
             self._warned.add(reason)
@@ -630,17 +646,17 @@ class Instrumented(torch.nn.Module):
         the refusal holds while the model stays in it."""
         reads = getattr(exc, "fxflops_reads", None)
         try:
-            return ModelState(self.traced, *reads) if reads is not None else None
+            return ModelState(self._traced, *reads) if reads is not None else None
         except Exception:  # noqa: BLE001 - then the refusal holds in any state
             return None
 
     def _monomials(self, program: Program, values: tuple[int, ...]) -> tuple:
         """The call's monomials, with what the routing probes measured for MoE programs."""
         monomials = program.monomials(*values)
-        if program.experts and self.routing is not None:
-            if self.routing.errors:
-                self._warn_once(f"routing not measured: {self.routing.errors.pop()}")
-            return program.with_routing(monomials, self.routing.take())
+        if program.experts and self._routing is not None:
+            if self._routing.errors:
+                self._warn_once(f"routing not measured: {self._routing.errors.pop()}")
+            return program.with_routing(monomials, self._routing.take())
         return monomials
 
     def _warn_once(self, message: str) -> None:

@@ -427,12 +427,12 @@ class MeasuredCall:
 
     def __init__(self, owner: Instrumented, spine: Spine, training: bool) -> None:
         self.owner, self.spine, self.training = owner, spine, training
-        self.model = owner.traced
+        self.model = owner._traced
         self.paths: dict[int, str] = {}  # routed modules -> their paths (the spine modules and their children)
         self.stack = [""]  # spine modules whose own code runs, innermost last
         self.work = Work()
         self.seen: dict[int, str] = {}  # sequence number -> own module (for the backward's attribution)
-        self.mode = OwnOps(self.work, lambda: self.stack[-1], "fwd", owner.rules, spine.prices, self.seen if training else None)
+        self.mode = OwnOps(self.work, lambda: self.stack[-1], "fwd", owner._rules, spine.prices, self.seen if training else None)
         self.children: list[_ChildCall] = []
         self.routed: list[torch.nn.Module] = []
         self.child_running = False
@@ -505,7 +505,7 @@ class MeasuredCall:
             found = counter._program_for(args, kwargs)
             snapshot = isolated_call(args, kwargs)[:2] if self.training else None
         except CaptureError as exc:
-            if exc.module is not None and self.owner.measure:
+            if exc.module is not None and self.owner._measure:
                 self.spine.add(_joined(path, exc.module), f"{path}: {exc}")
                 self._route([p for p in self.spine.paths if p.startswith(path)])
                 self._resume(suspended)
@@ -559,12 +559,12 @@ class MeasuredCall:
             program, values = child.found if roots is None else child.counter._program_for(*child.snapshot, roots)
             parts.append((program, child.counter._monomials(program, values), child.path))
         columns = self.spine.columns
-        program, monomials = columns.monomials(self.work, self.model, self.spine, self.owner.backward)
+        program, monomials = columns.monomials(self.work, self.model, self.spine, self.owner._backward)
         meter = self.owner.flops
         meter.add(program, monomials, training, phase=phase)
         for child_program, child_monomials, path in parts:
             meter.add(child_program, child_monomials, training, prefix=path, phase=phase, call=False)
-        if training and self.owner.backward == "traced":
+        if training and self.owner._backward == "traced":
             for node in self.own_nodes:
                 _measure_backward(node, self, self.seen.get(node._sequence_nr(), max(self.spine.paths, key=len)))
 
@@ -647,7 +647,7 @@ def _measure_backward(node: Any, call: MeasuredCall, module: str) -> None:
     """Measure ``node``'s backward ops when the backward runs it (pushed in its pre-hook, popped in its
     post-hook, in the thread that runs it), and add them to the meter as the call's backward."""
     work = Work()
-    mode = OwnOps(work, lambda: module, "bwd", call.owner.rules, call.spine.prices)
+    mode = OwnOps(work, lambda: module, "bwd", call.owner._rules, call.spine.prices)
 
     def before(grad_outputs: Any) -> None:
         _push_mode(mode)  # the engine restores the thread's modes after each node, also when it raises
@@ -659,7 +659,7 @@ def _measure_backward(node: Any, call: MeasuredCall, module: str) -> None:
         try:
             if mode.error is not None:
                 raise FxFlopsError(mode.error)
-            program, monomials = call.spine.columns.monomials(work, call.model, call.spine, call.owner.backward)
+            program, monomials = call.spine.columns.monomials(work, call.model, call.spine, call.owner._backward)
             call.owner.flops.add(program, monomials, True, call=False)
         except Exception as exc:  # noqa: BLE001 - a backward is never broken by telemetry
             call.owner._warn_once(f"the measured backward of {module or '<root>'} is not counted: {exc}")

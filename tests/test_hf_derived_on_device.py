@@ -54,7 +54,7 @@ def no_host_reads():
 
 def device_count(wrapper, program, batch: dict) -> tuple:
     """The call's monomials through the device path, with no host read."""
-    args, kwargs = wrapper.adapter.prepare((), batch)
+    args, kwargs = wrapper._adapter.prepare((), batch)
     with no_host_reads():
         values = program.binder.values(args, kwargs)
         assert program.within_guards(*values)

@@ -327,13 +327,13 @@ def test_a_measured_wrapper_saved_and_loaded_counts_on():
     loaded = pickle.loads(pickle.dumps(wrapper))
     loaded.flops.reset()
     loaded(xs[1]).sum().backward()
-    assert loaded.flops.total() == flop_counter(loaded.model, xs[1], True)[0]
+    assert loaded.flops.total() == flop_counter(loaded.wrapped_model, xs[1], True)[0]
     assert list(loaded.measured) == ["mid.leaf"]
     copied = copy.deepcopy(wrapper)
     copied.flops.reset()
     with torch.no_grad():
         copied(xs[2])
-    assert copied.flops.total() == flop_counter(copied.model, xs[2], False)[0]
+    assert copied.flops.total() == flop_counter(copied.wrapped_model, xs[2], False)[0]
 
 
 def test_a_failing_part_makes_the_call_uncounted_not_partly_counted():
@@ -344,7 +344,7 @@ def test_a_failing_part_makes_the_call_uncounted_not_partly_counted():
     with torch.no_grad():
         wrapper(calls(1)[0])
     wrapper.flops.reset()
-    wrapper._children["head"].max_programs = 0  # the head's next situation cannot get a program
+    wrapper._children["head"]._max_programs = 0  # the head's next situation cannot get a program
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with torch.enable_grad():

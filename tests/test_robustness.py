@@ -92,7 +92,7 @@ def test_a_fault_in_any_stage_leaves_the_step_untouched(stage, monkeypatch):
         _step(strict, ids)
     owner, name = STAGES[stage]
     for w in (wrapper, strict):
-        monkeypatch.setattr({"adapter": w.adapter, "program": w.program}.get(owner, owner), name, _raise)
+        monkeypatch.setattr({"adapter": w._adapter, "program": w.program}.get(owner, owner), name, _raise)
     uncounted = wrapper.flops.uncounted
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -487,14 +487,51 @@ def test_save_load_deepcopy_and_pickle_count_exactly():
     copied = copy.deepcopy(wrapper)
     other = torch.randint(0, 100, (4, 13))
     for twin in (loaded, copied):
-        assert _training_count(twin, other) == flop_counter_call(twin.model, (other,), {}, backward=True)
+        assert _training_count(twin, other) == flop_counter_call(twin.wrapped_model, (other,), {}, backward=True)
         assert twin.captures == 1  # the loaded program serves the new model: no re-capture
-        assert twin.model is not model and twin._parameters is twin.model._parameters
+        assert twin.wrapped_model is not model and twin._parameters is twin.wrapped_model._parameters
     program = pickle.loads(pickle.dumps(wrapper.program))
     expected = flop_counter_call(model, (other,), {}, backward=True)
     assert program.count(other) == expected
     assert program.total(input_ids_0=4, input_ids_1=13) == expected
     assert _training_count(wrapper, other) == expected  # the original is unaffected
+
+
+class _NamedLikeTheWrapper(nn.Module):
+    """Children named as a wrapper's own settings once were (``adapter``, ``prefix``, ``routing``)
+    and as a Hugging Face model's inner ``model``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model, self.adapter = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.prefix, self.routing = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.backward = "a plain attribute"
+
+    def forward(self, x):
+        return self.routing(self.prefix(self.adapter(self.model(x))))
+
+
+def test_a_model_whose_children_have_the_wrapper_s_setting_names_is_instrumented():
+    """``instrument`` raised TypeError on a child named ``adapter`` or ``prefix``, and
+    ``wrapper.model`` was the wrapped model, not its child: now every name is the model's, through
+    the wrapper as through the model, also after a save and load (and from a wrapper pickled
+    before the settings were private)."""
+    model = _NamedLikeTheWrapper()
+    wrapper = fxflops.instrument(model, backward=True)
+    for name in ("model", "adapter", "prefix", "routing", "backward"):
+        assert getattr(wrapper, name) is getattr(model, name), name
+    assert wrapper.wrapped_model is model
+    x = torch.randn(4, 8)
+    assert _training_count(wrapper, x) == flop_counter_call(model, (x,), {}, backward=True)
+    loaded = pickle.loads(pickle.dumps(wrapper))
+    assert loaded.adapter is loaded.wrapped_model.adapter and loaded.wrapped_model is not model
+    assert _training_count(loaded, x) == flop_counter_call(loaded.wrapped_model, (x,), {}, backward=True)
+    state = {name[1:] if name in ("_model", "_traced", "_adapter", "_backward", "_prefix") else name: value
+             for name, value in wrapper.__getstate__().items()}
+    old = type(wrapper).__new__(type(wrapper))
+    old.__setstate__(state)
+    assert old.wrapped_model is model and old.prefix is model.prefix
+    assert _training_count(old, x) == flop_counter_call(model, (x,), {}, backward=True)
 
 
 def test_varlen_attention_forward_and_backward_under_flop_counter_mode():
