@@ -538,24 +538,46 @@ class _LayerDrop(nn.Module):
         return self.layer(x) if _coin() < 0.5 else x
 
 
+_NUMPY_RNG = np.random.default_rng(11)  # a numpy Generator the code draws from (C methods: not patchable)
+
+
+class _Coin:
+    """A plain object the model holds, with a generator of its own."""
+
+    def __init__(self) -> None:
+        self.rng = random.Random(5)
+
+    def flip(self) -> bool:
+        return self.rng.random() < 0.5
+
+
 class _Drawing(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.drop = _LayerDrop()
         self.repeat, self.scale = nn.Linear(8, 8), nn.Linear(8, 8)
         self.rng = random.Random(7)  # a generator the model holds
+        self.coin = _Coin()
 
     def forward(self, x):
         x = self.drop(x)
         for _ in range(random.randint(1, 3) + self.rng.randint(0, 1)):
             x = self.repeat(x)
+        if _NUMPY_RNG.random() < 0.5:
+            x = self.repeat(x)
+        if self.coin.flip():
+            x = self.scale(x)
         return self.scale(x) * float(np.random.rand())
 
 
 def _streams(model: _Drawing) -> tuple:
-    """The user's random streams: Python's, numpy's (its key array as bytes) and the model's own generator's."""
+    """The user's random streams: Python's, numpy's (its key array as bytes), the model's own
+    generators' and a numpy Generator's."""
     name, keys, *rest = np.random.get_state()
-    return random.getstate(), (name, keys.tobytes(), *rest), model.rng.getstate()
+    return (
+        random.getstate(), (name, keys.tobytes(), *rest), model.rng.getstate(), model.coin.rng.getstate(),
+        _NUMPY_RNG.bit_generator.state,
+    )
 
 
 def _set_streams(model: _Drawing, streams: tuple) -> None:
@@ -563,11 +585,14 @@ def _set_streams(model: _Drawing, streams: tuple) -> None:
     random.setstate(streams[0])
     np.random.set_state((name, np.frombuffer(keys, dtype=np.uint32), *rest))
     model.rng.setstate(streams[2])
+    model.coin.rng.setstate(streams[3])
+    _NUMPY_RNG.bit_generator.state = streams[4]
 
 
 def test_random_draws_are_measured_and_leave_the_users_streams_as_the_plain_model_does():
     """LayerDrop (``from random import random``), a loop count (``random.randint`` and a generator
-    the model holds) and a numpy draw: every call's output and count are those of the plain model on the same
+    the model holds), a branch on a numpy Generator's draw and on a generator a held object keeps
+    (were each one draw kept for every call) and a numpy draw: every call's output and count are those of the plain model on the same
     draws (FlopCounterMode), the user's random streams afterwards are the plain run's, and the
     modules whose own code draws are the ones measured."""
     torch.manual_seed(0)

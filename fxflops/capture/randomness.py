@@ -18,7 +18,10 @@ through the global generators' functions (``random.random``, ``np.random.rand``,
 functions bound to names of the model's code (``from random import random``; its globals are found
 by ``capture/side_effects.py``), and the two methods every other method of a ``random.Random`` draws
 with (``random`` and ``getrandbits``), patched on Python's global generator and on the generators the
-model holds (whose states are put back too). Only the model's code's draws refuse a trace
+model holds (as its modules' attributes, in their containers, in the objects they hold, or where its
+code reaches them; whose states are put back too). numpy's ``Generator`` and ``RandomState`` objects
+(``np.random.default_rng()``), whose C methods cannot be patched, are found the same way and
+compared by state: one that changed refuses the trace at the root module, and is put back. Only the model's code's draws refuse a trace
 (``side_effects.ModelCode``): a library drawing from its own generator (sympy, while torch reasons
 about sizes) is not seen, and one drawing from a global generator is put back all the same. A global
 state that changed with no draw seen (a path not patched) refuses the trace at the root module, whose
@@ -38,10 +41,10 @@ from typing import Any
 
 import torch
 
-from fxflops.capture.reads import attribute
+from fxflops.capture.reads import attribute, held_objects
 from fxflops.capture.scope import patched
 from fxflops.capture.shape_env import format_location, is_library_file
-from fxflops.capture.side_effects import Reach
+from fxflops.capture.side_effects import Reach, numpy_generator
 from fxflops.errors import CaptureError
 
 _DRAWING_METHODS = ("random", "getrandbits")  # what every other method of a random.Random draws with
@@ -116,20 +119,35 @@ def _model_line(frame: types.FrameType) -> str:
 
 
 def _state(generator: Any) -> Any:
-    return generator.getstate() if isinstance(generator, random.Random) else generator.get_state()
+    if isinstance(generator, random.Random):
+        return generator.getstate()
+    if hasattr(generator, "bit_generator"):  # numpy's Generator (``np.random.default_rng()``)
+        return generator.bit_generator.state
+    return generator.get_state()  # numpy's RandomState
 
 
 def _set_state(generator: Any, state: Any) -> None:
     if isinstance(generator, random.Random):
         generator.setstate(state)
+    elif hasattr(generator, "bit_generator"):
+        generator.bit_generator.state = state
     else:
         generator.set_state(state)
 
 
 def _same_state(a: Any, b: Any) -> bool:
-    if isinstance(a, tuple) and len(a) == 5 and hasattr(a[1], "tobytes"):  # numpy's (name, keys, pos, ...)
-        return a[0] == b[0] and a[1].tobytes() == b[1].tobytes() and a[2:] == b[2:]
-    return a == b
+    return _comparable(a) == _comparable(b)
+
+
+def _comparable(state: Any) -> Any:
+    """A generator's state with its arrays as bytes (numpy's keys): comparable with ``==``."""
+    if isinstance(state, dict):
+        return tuple(sorted((k, _comparable(v)) for k, v in state.items()))
+    if isinstance(state, (tuple, list)):
+        return tuple(map(_comparable, state))
+    if hasattr(state, "tobytes") and hasattr(state, "dtype"):
+        return ("array", str(state.dtype), getattr(state, "shape", ()), state.tobytes())
+    return state
 
 
 def _global_generators() -> dict[int, tuple[Any, Any]]:
@@ -165,14 +183,16 @@ def _recording(draws: _Draws, generator: Any, what: str, original: Callable[...,
     return draw
 
 
-def _held_generators(model: torch.nn.Module, reach: Reach) -> list[random.Random]:
-    """Python's global generator and the ``random.Random`` instances the model holds (as module
-    attributes, in their containers, or where its code reaches them)."""
+def _held_generators(model: torch.nn.Module, reach: Reach) -> list[Any]:
+    """Python's global generator and the generators the model holds (``random.Random``, numpy's
+    ``Generator`` and ``RandomState``): as attributes of its modules or of the objects they hold,
+    in their containers, or where its code reaches them."""
     found = {id(random._inst): random._inst} | {id(g): g for g in reach.generators}
-    for module in model.modules():
-        for value in vars(module).values():
+    holders = [*model.modules(), *held_objects(model).values()]
+    for holder in holders:
+        for value in list(attribute(holder, "__dict__", {}).values()):
             items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else (value,)
-            found.update({id(item): item for item in items if isinstance(item, random.Random)})
+            found.update({id(item): item for item in items if isinstance(item, random.Random) or numpy_generator(item)})
     return list(found.values())
 
 
@@ -182,14 +202,18 @@ def refusing_random_draws(model: torch.nn.Module, reach: Reach) -> Iterator[None
     Python's and numpy's random states are put back afterwards, and :class:`RandomDraw` is raised
     when the model's code drew (see the module docstring)."""
     generators = _global_generators()
-    before = [(g, _state(g)) for g, _ in generators.values()]
+    held = _held_generators(model, reach)
+    unpatchable = [g for g in held if numpy_generator(g) and id(g) not in generators]  # seen by their states
+    before = [(g, _state(g)) for g, _ in generators.values()] + [(g, _state(g)) for g in unpatchable]
     draws = _Draws(model, reach.model_code)
     namespaces = [namespace for namespace, _ in reach.namespaces.values()]
     with contextlib.ExitStack() as stack:
         for owner, name, generator in _drawing_names(generators, namespaces):
             what = f"{getattr(owner, '__name__', owner)}.{name}"
             stack.enter_context(patched(owner, name, _recording(draws, generator, what, getattr(owner, name))))
-        for generator in _held_generators(model, reach):  # their other methods draw through these
+        for generator in held:  # their other methods draw through these
+            if not isinstance(generator, random.Random):
+                continue
             for name in _DRAWING_METHODS:
                 what = f"{type(generator).__name__}.{name}"
                 stack.enter_context(patched(generator, name, _recording(draws, generator, what, getattr(generator, name))))

@@ -141,7 +141,7 @@ class Reach:
     caches: dict[tuple[int, str], tuple[Any, str]] = field(default_factory=dict)  # (module or class, name) binding an lru cache
     cached_cells: list[Any] = field(default_factory=list)  # closure cells holding an lru cache (a decorator's wrapper calls it)
     lru_caches: dict[int, Any] = field(default_factory=dict)  # every lru cache found
-    generators: list[random.Random] = field(default_factory=list)  # Python random generators found (capture/randomness.py)
+    generators: list[Any] = field(default_factory=list)  # random.Random and numpy generators found (capture/randomness.py)
 
     def saved(self) -> list[Restorer]:
         """Restorers putting all of it back as it is now."""
@@ -245,7 +245,7 @@ class _Walk:
             self.todo.extend(islice(value.values() if isinstance(value, dict) else value, MAX_ITEMS))
         elif isinstance(value, _SEQUENCES):
             self.todo.extend(islice(value, MAX_ITEMS))
-        elif isinstance(value, random.Random):
+        elif isinstance(value, random.Random) or numpy_generator(value):
             self.reach.generators.append(value)
         elif self.model_code(type(value).__module__):  # a plain object, a callable one too
             self.reach.objects.append(value)
@@ -315,6 +315,13 @@ class _Walk:
             if _is_lru_cache(value) or isinstance(value, staticmethod) and _is_lru_cache(value.__func__):
                 self.reach.caches[(id(cls), name)] = (cls, name)
             self.todo.extend(_parts(value))
+
+
+def numpy_generator(value: Any) -> bool:
+    """Whether ``value`` is a numpy generator object (``Generator``, ``RandomState``): its methods
+    are C code that cannot be patched, so its draws are found by its state."""
+    numpy_random = sys.modules.get("numpy.random")
+    return numpy_random is not None and isinstance(value, (numpy_random.Generator, numpy_random.RandomState))
 
 
 def reach_of(model: torch.nn.Module) -> Reach:
