@@ -33,7 +33,7 @@ fills in place and never reads otherwise (a log, ``self.records.append(...)``): 
 compares those by identity. Attributes the code reads on a module, a class or a plain object it
 names as a global, a closure variable or a parameter's default (``settings.EXTRA``,
 ``pkg.layers.attention(...)``, ``os.environ.get("X")`` and ``os.getenv("X")``, ``Flags.FUSED``, ``ARGS.deep.n``,
-``BLOCKS["vit"].extra``; through a local assigned once, ``args = get_args(); args.flag``, where
+``BLOCKS["vit"].extra``, ``FLAGS[0].on``; through a local assigned once, ``args = get_args(); args.flag``, where
 ``get_args`` returns a global) are reads of the namespace holding each value on the way (the objects and
 modules passed by identity), and so are the attributes it reads on an object's class
 (``type(self).WIDE``, ``self.__class__.WIDE``) that the model's module classes define: Dynamo
@@ -52,7 +52,9 @@ calls on such an object (``SETTINGS.enabled()``, ``SETTINGS.depth``) is compared
 its class, and its code is walked with ``self`` standing for the object: what it reads there
 (``self.on``, ``self.nested.wide``, another method) is read as the code's own attribute reads
 are; a class attribute read through the object (``SETTINGS.REPEATS``) is compared as a global
-is. The object a context variable holds (``CFG.get().deep``) is read as the capture saw it
+is; one the object later gets of its own, shadowing its class's, too (:class:`ThroughClass`). A
+module's class method is walked with ``cls`` standing for its class, a bound method a module
+holds with ``self`` standing for its object. The object a context variable holds (``CFG.get().deep``) is read as the capture saw it
 (:class:`InContext`: a capture's context holds only the caller's flags, so another object set by
 the caller is another situation, which ``instrument.py`` measures), and the object a thread-local
 holds (``LOCAL.cfg.deep``) as the calling thread holds it (:class:`ThreadAttributes`). Not seen: an
@@ -110,7 +112,7 @@ class CodeRead:
     def holds(self) -> bool:
         try:
             value = self.now()
-        except (KeyError, ValueError):  # deleted, or an emptied cell
+        except (KeyError, IndexError, ValueError):  # deleted, an entry past the end, or an emptied cell
             return False
         return value == self.expected if self.test == "==" else value is self.expected
 
@@ -263,7 +265,7 @@ def _followed(
     :data:`MAX_FUNCTIONS`; not library code)."""
     seen: set[tuple[int, int]] = set()
     todo: list[tuple[types.FunctionType, tuple[Any, str] | None]] = [
-        *((f, None) for f in _called_methods(model, called)), *_hooks(model),
+        *_called_methods(model, called), *_hooks(model),
         *(pair for value in functions for pair in _code_run_by(value, "a function the call passes")),
     ]
     while todo and len(seen) < MAX_FUNCTIONS:
@@ -300,10 +302,13 @@ def _code_run_by(value: Any, path: str) -> Iterator[tuple[types.FunctionType, tu
         yield from ((f, None) for f in _functions_in(value))
 
 
-def _called_methods(model: torch.nn.Module, called: dict[str, set[str]]) -> Iterator[types.FunctionType]:
+def _called_methods(model: torch.nn.Module, called: dict[str, set[str]]) -> Iterator[tuple[types.FunctionType, tuple[Any, str] | None]]:
     """The functions behind the attributes the capture read on the model's modules, and on the
     objects they hold (keys ``"module path|held.path"``), that their classes define (methods,
-    properties, static and class methods; not torch's own classes')."""
+    properties, static and class methods; not torch's own classes'), with what they run on: a
+    class method its class (``cls.REPEATS``), a bound method a module holds its object
+    (``self.n = settings.repeats``: what ``settings.repeats`` reads on ``self``, :func:`_code_run_by`);
+    a module's own methods nothing (what they read on the module, the capture recorded)."""
     for key, names in called.items():
         path, _, held_path = key.partition("|")
         try:
@@ -312,14 +317,17 @@ def _called_methods(model: torch.nn.Module, called: dict[str, set[str]]) -> Iter
                 owner = vars(owner)[part]
         except (AttributeError, KeyError, IndexError, ValueError, TypeError):  # gone since
             continue
+        where = f"{path or '<root>'}{'.' + held_path if held_path else ''}"
         for name in names:
             held = vars(owner).get(name)
             if held is not None:  # a function the module holds (``self.chosen = chosen``): its code too
-                yield from _functions_in(held)
+                yield from _code_run_by(held, f"{where}.{name}")
                 continue
             cls = next((c for c in type(owner).__mro__ if name in vars(c)), None)
             if cls is not None and not cls.__module__.startswith(_LIBRARIES):
-                yield from _functions_in(vars(cls)[name])
+                value = vars(cls)[name]
+                runs_on = (type(owner), f"type({where})") if isinstance(value, classmethod) else None
+                yield from ((f, runs_on) for f in _functions_in(value))
 
 
 def _functions_in(value: Any) -> Iterator[types.FunctionType]:
@@ -775,7 +783,7 @@ def _root(
         root = assigned[name]
     else:
         return None
-    if type(root[2]) is dict:  # ``REGISTRY["vit"].depth``: the dict itself is compared as a global is
+    if type(root[2]) in (dict, list, tuple):  # ``REGISTRY["vit"].depth``, ``FLAGS[0].on``: compared as a global is
         return (None, None, root[2]), after
     return (root, after) if _followed_owner(root[2]) else None
 
@@ -791,6 +799,34 @@ def _seen_in_capture(var: contextvars.ContextVar) -> Any:
     (``capture/ambient.flags_context``)."""
     value = _value_of(var)
     return value if traced_context_value(value) else contextvars.Context().run(_value_of, var)
+
+
+class ThroughClass:
+    """An object's attributes as ``obj.name`` finds those it does not hold itself: the object's own
+    if it gets one since, else its class's (the raw class attribute: a method's function, a
+    property), so that a read of a class default (``FLAGS[0].on`` with ``on = False`` on the class)
+    is another situation once the class's value changes or the object gets a value of its own."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+
+    def __getitem__(self, key: str) -> Any:
+        own = vars(self.obj)
+        if key in own:
+            return own[key]
+        for cls in type(self.obj).__mro__:
+            if key in vars(cls):
+                return vars(cls)[key]
+        raise KeyError(key)
+
+    def __contains__(self, key: str) -> bool:
+        try:
+            self[key]
+        except KeyError:
+            return False
+        return True
 
 
 class ThreadAttributes:
@@ -904,16 +940,16 @@ def _chain(fn: types.FunctionType, owner: Any, path: str, following: list[dis.In
                 holder = _class_namespace(next((c for c in owner.__mro__ if name in vars(c)), object))
             else:
                 holder = ThreadAttributes(owner) if isinstance(owner, threading.local) else vars(owner)
-            if name not in holder and not isinstance(owner, (type, types.ModuleType)):  # the object's class's
-                holder = _class_namespace(next((c for c in type(owner).__mro__ if name in vars(c)), object))
-        elif _constant_key(following, at) and type(owner) is dict:
+            if name not in holder and not isinstance(owner, (type, types.ModuleType, threading.local)):
+                holder = ThroughClass(owner)  # the object's class's, unless the object gets its own
+        elif _constant_key(following, at, str) and type(owner) is dict or _constant_key(following, at, int) and type(owner) in (list, tuple):
             name, path, used_as, at, holder = step.argval, f"{path}[{step.argval!r}]", "", at + 2, owner
         else:
             return
-        if name not in holder:
-            return  # an attribute the object makes on the fly, a missing key
+        if not _holds(holder, name):
+            return  # an attribute the object makes on the fly, a missing key, an index past the end
         value, label = holder[name], f"{path} (read by {fn.__qualname__})"
-        if isinstance(value, types.ModuleType) or _plain_object(value) or (type(value) is dict and _constant_key(following, at)):
+        if isinstance(value, types.ModuleType) or _plain_object(value) or _subscripted(value, following, at):
             yield used_as, CodeRead(label, holder, name, value, "is")
             owner = value
             continue
@@ -942,12 +978,28 @@ def _runs_on(method: Any, owner: Any, path: str) -> tuple[Any, str] | None:
     return None if isinstance(owner, type) else (owner, path)
 
 
-def _constant_key(instructions: list[dis.Instruction], at: int) -> bool:
-    """Whether ``instructions[at:]`` subscript the value before with a constant string key (``["vit"]``)."""
+def _constant_key(instructions: list[dis.Instruction], at: int, kind: type) -> bool:
+    """Whether ``instructions[at:]`` subscript the value before with a constant key of ``kind``
+    (``["vit"]``, ``[0]``; not a bool)."""
     return (
-        at + 1 < len(instructions) and instructions[at].opname == "LOAD_CONST" and isinstance(instructions[at].argval, str)
+        at + 1 < len(instructions) and instructions[at].opname == "LOAD_CONST" and type(instructions[at].argval) is kind
         and instructions[at + 1].opname == "BINARY_SUBSCR"
     )
+
+
+def _subscripted(value: Any, instructions: list[dis.Instruction], at: int) -> bool:
+    """Whether ``value`` is a dict the code reads a constant key of next (``REGISTRY["vit"]``), or
+    a list or tuple it reads a constant index of (``FLAGS[0]``)."""
+    if type(value) is dict:
+        return _constant_key(instructions, at, str)
+    return type(value) in (list, tuple) and _constant_key(instructions, at, int)
+
+
+def _holds(holder: Any, name: Any) -> bool:
+    """Whether a namespace holds ``name``: a list's or tuple's index within it, another's key."""
+    if type(holder) in (list, tuple):
+        return -len(holder) <= name < len(holder)
+    return name in holder
 
 
 def _followed_owner(owner: Any) -> bool:

@@ -764,6 +764,61 @@ def test_a_forward_reading_requires_grad_is_counted_as_it_runs_under_no_grad():
             assert_counted_call(wrapper, model, (x,), False, (step, trains))
 
 
+class _Flag:
+    on = False  # a class default, set on an instance later
+    repeats = 1
+
+    def count(self):
+        return self.repeats
+
+
+FLAG_LIST = [_Flag()]  # objects in a module-level list, read by a constant index
+
+
+class _ClassAndBoundMethods(nn.Module):
+    N = 1
+
+    def __init__(self, count) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.count = count  # a bound method of an object outside the model
+
+    @classmethod
+    def repeats(cls):
+        return cls.N
+
+    def forward(self, x):
+        for _ in range(self.repeats() + self.count()):
+            x = self.fc(x)
+        if FLAG_LIST[0].on:
+            x = self.fc(x)
+        return x
+
+
+@pytest.mark.parametrize("backward", [False, True])
+def test_class_methods_held_bound_methods_and_listed_objects_guard_their_programs(backward):
+    """A module's class method reading ``cls.N``, a bound method of an outside object held by a
+    module, an object read from a module-level list by index (``FLAG_LIST[0].on``), class defaults
+    set on the instance: each change, and back, counted as it runs (was the first call's count)."""
+    counter = _Flag()
+    model = _ClassAndBoundMethods(counter.count)
+    wrapper = fxflops.instrument(model, backward=backward)
+    steps = [
+        ("as built", lambda: None), ("a class attribute a class method reads", lambda: setattr(_ClassAndBoundMethods, "N", 2)),
+        ("a class default set on the held method's object", lambda: setattr(counter, "repeats", 3)),
+        ("a class default set on a listed object", lambda: setattr(FLAG_LIST[0], "on", True)),
+        ("the listed object replaced", lambda: FLAG_LIST.__setitem__(0, _Flag())),
+        ("the class default changed", lambda: setattr(_Flag, "on", True)),
+    ]
+    try:
+        for label, change in steps:
+            change()
+            _check(wrapper, model, backward, label)
+    finally:
+        _ClassAndBoundMethods.N, _Flag.on = 1, False
+        FLAG_LIST[0] = _Flag()
+
+
 class _Projection(nn.Module):
     def __init__(self) -> None:
         super().__init__()
