@@ -46,6 +46,7 @@ import itertools
 import operator
 import sys
 import threading
+import types
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -59,7 +60,7 @@ from torch.utils.hooks import RemovableHandle
 
 from fxflops.analysis.paths import inside, moved
 from fxflops.call_keys import ALIASED, SCALARS, described_layout, value_key
-from fxflops.capture.reads import HOOK_DICTS, Reads, attribute, hook_at, hook_objects, module_at, named_modules
+from fxflops.capture.reads import HOOK_DICTS, Reads, attribute, hook_at, hook_objects, library_module, module_at, named_modules
 from fxflops.errors import InputError
 from fxflops.situation_code import (
     MAX_COMPARED, TORCH_BASES, CodeRead, SamePartial, attributes_read_beyond_updates, code_reads, copied, definition,
@@ -786,6 +787,12 @@ def _not_on_instance(obj: Any, label: str, path: str, held: str | None, name: st
     if owner is not None:
         value = vars(owner)[name]
         guards.append(StateGuard(f"{owner.__qualname__}.{name} (class attribute)", path, held, name, copied(value), _test_for(value), "class"))
+        if _computing_descriptor(value):  # ``reps = Setting()``: what its __get__ gives, read so per call
+            try:
+                got = getattr(obj, name)
+            except Exception:  # noqa: BLE001 - its own error: the class guard stands alone
+                return guards
+            guards.append(StateGuard(f"{label} (as {type(value).__name__} computes it)", path, held, name, copied(got), _test_for(got), "computed"))
     elif _resolves_names_itself(type(obj)):  # an alias (a transformers config's attribute_map), a dict behind __getattr__
         try:
             value = getattr(obj, name)
@@ -793,6 +800,16 @@ def _not_on_instance(obj: Any, label: str, path: str, held: str | None, name: st
             return guards
         guards.append(StateGuard(f"{label} (as {type(obj).__name__} resolves it)", path, held, name, copied(value), _test_for(value), "computed"))
     return guards
+
+
+def _computing_descriptor(value: Any) -> bool:
+    """A class attribute of model code's own descriptor type (a ``__get__`` computing the value read
+    on the instance): not a function, property or the like, whose code the walk follows."""
+    kind = type(value)
+    return hasattr(kind, "__get__") and not library_module(kind.__module__ or "") and not isinstance(value, _WALKED)
+
+
+_WALKED = (types.FunctionType, property, staticmethod, classmethod, functools.cached_property)
 
 
 def _test_for(value: Any) -> str:

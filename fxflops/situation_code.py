@@ -52,7 +52,9 @@ calls on such an object (``SETTINGS.enabled()``, ``SETTINGS.depth``) is compared
 its class, and its code is walked with ``self`` standing for the object: what it reads there
 (``self.on``, ``self.nested.wide``, another method) is read as the code's own attribute reads
 are; a class attribute read through the object (``SETTINGS.REPEATS``) is compared as a global
-is; one the object later gets of its own, shadowing its class's, too (:class:`ThroughClass`). A
+is; one the object later gets of its own, shadowing its class's, too, and so are a slot's value
+and what its ``__getattr__`` resolves (:class:`ThroughClass`; a ``cached_property`` is walked as a
+property is). A
 module's class method is walked with ``cls`` standing for its class, a bound method a module
 holds with ``self`` standing for its object. The object a context variable holds (``CFG.get().deep``) is read as the capture saw it
 (:class:`InContext`: a capture's context holds only the caller's flags, so another object set by
@@ -85,7 +87,7 @@ import torch
 
 from fxflops.call_keys import SCALARS, value_key
 from fxflops.capture.ambient import traced_context_value
-from fxflops.capture.reads import HOOK_DICTS, NOT_HELD, library_module, module_at, named_modules
+from fxflops.capture.reads import HOOK_DICTS, NOT_HELD, attribute, library_module, module_at, named_modules
 
 MAX_FUNCTIONS = 512  # functions followed per model: the guards stay cheap, a huge code base is cut short
 MAX_COMPARED = 1024  # values of a module-level container compared per call (a larger one: by identity)
@@ -340,6 +342,8 @@ def _functions_in(value: Any) -> Iterator[types.FunctionType]:
         value = value.__func__
     elif isinstance(value, property):
         value = value.fget
+    elif isinstance(value, functools.cached_property):
+        value = value.func
     if isinstance(value, functools._lru_cache_wrapper):  # a cached helper: the function it caches
         value = value.__wrapped__
     while isinstance(value, types.FunctionType):
@@ -802,10 +806,11 @@ def _seen_in_capture(var: contextvars.ContextVar) -> Any:
 
 
 class ThroughClass:
-    """An object's attributes as ``obj.name`` finds those it does not hold itself: the object's own
-    if it gets one since, else its class's (the raw class attribute: a method's function, a
-    property), so that a read of a class default (``FLAGS[0].on`` with ``on = False`` on the class)
-    is another situation once the class's value changes or the object gets a value of its own."""
+    """An object's attributes as ``obj.name`` finds those it does not hold in its ``__dict__``: the
+    object's own if it gets one since, else its class's (the raw class attribute: a method's
+    function, a property; a slot's value), else what its ``__getattr__`` resolves (a config keeping
+    its settings in a dict). A read of a class default (``FLAGS[0].on`` with ``on = False`` on the
+    class) is so another situation once the class's value changes or the object gets its own."""
 
     __slots__ = ("obj",)
 
@@ -813,13 +818,22 @@ class ThroughClass:
         self.obj = obj
 
     def __getitem__(self, key: str) -> Any:
-        own = vars(self.obj)
-        if key in own:
+        own = attribute(self.obj, "__dict__")
+        if isinstance(own, dict) and key in own:
             return own[key]
         for cls in type(self.obj).__mro__:
             if key in vars(cls):
-                return vars(cls)[key]
-        raise KeyError(key)
+                found = vars(cls)[key]
+                if isinstance(found, types.MemberDescriptorType):  # a slot: its value
+                    try:
+                        return found.__get__(self.obj, type(self.obj))
+                    except AttributeError:  # unset
+                        raise KeyError(key) from None
+                return found
+        try:  # resolved by the object's own __getattr__
+            return getattr(self.obj, key)
+        except Exception:  # noqa: BLE001 - absent however it says so
+            raise KeyError(key) from None
 
     def __contains__(self, key: str) -> bool:
         try:
@@ -938,8 +952,11 @@ def _chain(fn: types.FunctionType, owner: Any, path: str, following: list[dis.In
             name, path, used_as, at = step.argval, f"{path}.{step.argval}", "." + step.argval, at + 1
             if isinstance(owner, type):
                 holder = _class_namespace(next((c for c in owner.__mro__ if name in vars(c)), object))
+            elif isinstance(owner, threading.local):
+                holder = ThreadAttributes(owner)
             else:
-                holder = ThreadAttributes(owner) if isinstance(owner, threading.local) else vars(owner)
+                holder = attribute(owner, "__dict__")
+                holder = holder if isinstance(holder, dict) else ThroughClass(owner)  # slots: through the class
             if name not in holder and not isinstance(owner, (type, types.ModuleType, threading.local)):
                 holder = ThroughClass(owner)  # the object's class's, unless the object gets its own
         elif _constant_key(following, at, str) and type(owner) is dict or _constant_key(following, at, int) and type(owner) in (list, tuple):
@@ -955,7 +972,7 @@ def _chain(fn: types.FunctionType, owner: Any, path: str, following: list[dis.In
             continue
         if holder is owner:  # a dict's entry (``CACHE["gram"]``): the dict is compared as a container
             return
-        if isinstance(value, (staticmethod, classmethod, property, types.FunctionType)) and not isinstance(owner, types.ModuleType):
+        if isinstance(value, _METHODS) and not isinstance(owner, types.ModuleType):
             # a method or property read on an object or class (``SETTINGS.enabled()``, ``Rotary.apply(x)``):
             # by identity on its class, its function walked on the object it runs on (:func:`_runs_on`)
             if not library_module(_module_name(owner)):
@@ -965,6 +982,9 @@ def _chain(fn: types.FunctionType, owner: Any, path: str, following: list[dis.In
             if read is not None:
                 yield used_as, read
         return
+
+
+_METHODS = (staticmethod, classmethod, property, functools.cached_property, types.FunctionType)  # walked where they run
 
 
 def _runs_on(method: Any, owner: Any, path: str) -> tuple[Any, str] | None:
@@ -1021,13 +1041,15 @@ def _plain_object(value: Any) -> bool:
     """An object whose attributes are settings the code may read (a config instance, a namespace of
     parsed arguments): one with a ``__dict__`` that is not a module, class, function, tensor or
     ``nn.Module``, of a class of model code or a plain namespace."""
-    try:
-        if isinstance(value, _NOT_OBJECTS) or getattr(value, "__dict__", None) is None:
-            return False
-    except Exception:  # noqa: BLE001 - a proxy whose attributes raise: not followed
+    if isinstance(value, _NOT_OBJECTS) or isinstance(value, type) or (attribute(value, "__dict__") is None and not _has_slots(type(value))):
         return False
     module = type(value).__module__ or ""
     return module in _NAMESPACE_MODULES or not library_module(module)
+
+
+def _has_slots(cls: type) -> bool:
+    """Whether instances of ``cls`` keep attributes in slots (``__slots__`` of model code's classes)."""
+    return any(isinstance(v, types.MemberDescriptorType) for c in cls.__mro__ if not library_module(c.__module__ or "") for v in vars(c).values())
 
 
 _NOT_OBJECTS = (*NOT_HELD, functools.partial)  # what capture/reads.py does not record reads on, and partials

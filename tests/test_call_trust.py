@@ -819,6 +819,81 @@ def test_class_methods_held_bound_methods_and_listed_objects_guard_their_program
         FLAG_LIST[0] = _Flag()
 
 
+class _DictBacked:
+    """Keeps its settings in a dict behind ``__getattr__``."""
+
+    def __init__(self) -> None:
+        self._settings = {"n": 1}
+
+    def __getattr__(self, name):
+        try:
+            return self._settings[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+class _Slotted:
+    __slots__ = ("n",)
+
+    def __init__(self) -> None:
+        self.n = 1
+
+
+class _Cached:
+    base = 1
+
+    @functools.cached_property
+    def n(self):
+        return self.base
+
+
+class _Setting:
+    """A descriptor computing the value a module reads (a setting looked up elsewhere)."""
+
+    value = 1
+
+    def __get__(self, obj, owner=None):
+        return type(self).value
+
+
+DICT_BACKED, SLOTTED, CACHED = _DictBacked(), _Slotted(), _Cached()
+
+
+class _ReadsSettingsObjects(nn.Module):
+    repeats = _Setting()
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        for _ in range(DICT_BACKED.n + SLOTTED.n + CACHED.n + self.repeats):
+            x = self.fc(x)
+        return x
+
+
+@pytest.mark.parametrize("backward", [False, True])
+def test_settings_objects_of_every_shape_guard_their_programs(backward):
+    """Settings read through ``__getattr__`` over a dict, a slot, a ``cached_property`` recomputed
+    after its cache is dropped, and a module's own descriptor: each changed, counted as it runs
+    (was the first call's count)."""
+    model = _ReadsSettingsObjects()
+    wrapper = fxflops.instrument(model, backward=backward)
+    steps = [
+        ("as built", lambda: None), ("a setting in the dict behind __getattr__", lambda: DICT_BACKED._settings.update(n=2)),
+        ("a slot", lambda: setattr(SLOTTED, "n", 2)),
+        ("a cached property recomputed", lambda: (setattr(CACHED, "base", 2), vars(CACHED).pop("n", None))),
+        ("what a descriptor computes", lambda: setattr(_Setting, "value", 2)),
+    ]
+    try:
+        for label, change in steps:
+            change()
+            _check(wrapper, model, backward, label)
+    finally:
+        DICT_BACKED._settings["n"], SLOTTED.n, CACHED.base, _Setting.value = 1, 1, 1, 1
+        vars(CACHED).pop("n", None)
+
+
 class _Projection(nn.Module):
     def __init__(self) -> None:
         super().__init__()
