@@ -227,7 +227,7 @@ def test_the_wrapper_training_flag_is_the_models_whichever_side_sets_it():
     assert model.training is False
     for twin in (copy.deepcopy(wrapper), pickle.loads(pickle.dumps(wrapper))):
         twin.train()
-        assert twin.training and twin.model.training and not wrapper.training
+        assert twin.training and twin.wrapped_model.training and not wrapper.training
 
 
 class RootWithItsOwnStateDict(nn.Module):

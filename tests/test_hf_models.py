@@ -127,7 +127,7 @@ def test_vision_metadata_kept_per_grid_is_what_transformers_derives_for_that_gri
     from transformers.exporters.utils import precompute_export_inputs
 
     model = qwen2_vl[0]
-    adapter = fxflops.instrument(model).adapter
+    adapter = fxflops.instrument(model)._adapter
     rng = random.Random(3)
     grids = [hf_zoo.random_batch("qwen2_vl", rng, images=n)["image_grid_thw"] for n in (1, 3, 3, 5)]
     grids.append(grids[1].clone())  # equal values, another tensor: the same metadata
