@@ -398,7 +398,7 @@ class Instrumented(torch.nn.Module):
             call = phase != RECOMPUTED  # a recompute is a call counted already
             if nodes:  # the forward now, the backward when (and each time) one runs from the outputs
                 self.flops.add(program, monomials, False, prefix=self._prefix, phase=phase, call=call)
-                bill = _BackwardBill(self.flops, program, monomials, self._prefix)
+                bill = _BackwardBill(self.flops, program, monomials, self._prefix, nodes, self._warn_once)
                 for node in nodes:
                     node.register_prehook(bill)
             else:
@@ -720,23 +720,67 @@ def _output_nodes(out: Any) -> list:
 class _BackwardBill:
     """A call's backward, added to the meter when a backward reaches the call's outputs: once per
     backward pass (autograd's graph task; a pass reaching several outputs bills once), again for
-    each pass (``retain_graph``), never when none runs (an evaluation left in grad mode). A node
-    pre-hook: it leaves the gradients as they are, and never raises into the backward."""
+    each pass (``retain_graph``), never when none runs (an evaluation left in grad mode). A pass
+    through only part of the call's graph (:func:`_partial_backward`) runs less than the traced
+    backward: not counted, and said. A node pre-hook: it leaves the gradients as they are, and never
+    raises into the backward."""
 
-    __slots__ = ("meter", "program", "monomials", "prefix", "task")
+    __slots__ = ("meter", "program", "monomials", "prefix", "task", "nodes", "warn")
 
-    def __init__(self, meter: Meter, program: Program, monomials: tuple, prefix: str) -> None:
+    def __init__(self, meter: Meter, program: Program, monomials: tuple, prefix: str, nodes: list, warn: Callable[[str], None]) -> None:
         self.meter, self.program, self.monomials, self.prefix, self.task = meter, program, monomials, prefix, None
+        self.nodes, self.warn = nodes, warn
 
     def __call__(self, grad_outputs: Any) -> None:
         task = torch._C._current_graph_task_id()
         if task == self.task:
             return
         self.task = task
+        partial = ""
         try:
+            partial = _partial_backward(self.nodes)
+            if partial:
+                self.meter.not_counted()
+                self.warn(f"{partial} runs only part of the traced backward; call backward() on a loss of every output")
+                return
             self.meter.add(self.program, self.monomials, prefix=self.prefix, call=False, backward=True)
         except Exception:  # noqa: BLE001, S110 - a backward is never broken by telemetry
-            self.meter.not_counted()
+            if not partial:
+                self.meter.not_counted()
+
+
+def _partial_backward(nodes: list) -> str:
+    """What makes this backward pass run only part of the graph of a call whose outputs' autograd
+    nodes are ``nodes`` ("" when it runs it whole, as the traced backward): some outputs it does not
+    reach (a backward from one of two outputs), or leaves whose gradients it does not compute
+    (``backward(inputs=...)``, ``torch.autograd.grad(loss, x)``), seen on the first leaf of the
+    graph: a gradient accumulator that does not run (``torch.autograd.grad`` runs none, its
+    gradients are returned: so it is refused also when asked for every parameter's)."""
+    if not all(map(torch._C._will_engine_execute_node, nodes)):
+        return "a backward that reaches only some of the call's outputs"
+    leaf = _first_leaf(nodes)
+    if leaf is None:
+        return ""
+    try:
+        executed = torch._C._will_engine_execute_node(leaf)
+    except RuntimeError:  # asked of a leaf inside torch.autograd.grad, in some versions
+        executed = False
+    return "" if executed else "a backward to only some of the leaves (backward(inputs=...), torch.autograd.grad())"
+
+
+def _first_leaf(nodes: list, limit: int = 256) -> Any:
+    """The first gradient accumulator (a leaf that requires grad: a parameter, an input) reached
+    from ``nodes``, looking at ``limit`` nodes at most; None when there is none."""
+    stack, seen = list(nodes), set()
+    while stack and len(seen) < limit:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if hasattr(node, "variable"):  # AccumulateGrad
+            return node
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return None
 
 
 def _requires_grad(out: Any) -> bool:

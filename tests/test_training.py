@@ -130,6 +130,47 @@ def test_the_backward_is_counted_when_it_runs_and_each_time():
         assert wrapper.flops.total() == _flop_counter(lambda: run(model)), label
 
 
+class _TwoHeads(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk, self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.trunk(x)
+        return self.a(h), self.b(h)
+
+
+def test_a_backward_through_part_of_the_call_s_graph_is_not_counted_and_said():
+    """A backward from one of two outputs, to some leaves only (``backward(inputs=...)``) or by
+    ``torch.autograd.grad`` runs less than the traced backward (was billed whole: 8192 and 12288
+    vs FlopCounterMode's 6144 and 8192): its forward is counted, its backward not, with a warning;
+    a backward through every output stays exact."""
+    torch.manual_seed(0)
+    model = _TwoHeads()
+    x = torch.randn(4, 8, requires_grad=True)
+    partial = {
+        "one of two outputs": lambda f: f(x)[0].sum().backward(),
+        "backward(inputs=...)": lambda f: sum(o.sum() for o in f(x)).backward(inputs=[x]),
+        "torch.autograd.grad": lambda f: torch.autograd.grad(sum(o.sum() for o in f(x)), [x]),
+    }
+    with torch.no_grad():
+        forward = _flop_counter(lambda: model(x))
+    for label, run in partial.items():
+        wrapper = fxflops.instrument(model, backward=True)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            run(wrapper)
+        assert wrapper.flops.uncounted == 1 and wrapper.flops.total() == forward, label
+        assert any("only part of the traced backward" in str(w.message) for w in caught), label
+    def whole(f):  # noqa: ANN001, ANN202 - every output of the call
+        a, b = f(x)
+        (a * b).sum().backward()
+
+    wrapper.flops.reset()
+    whole(wrapper)
+    assert wrapper.flops.uncounted == 0 and wrapper.flops.total() == _flop_counter(lambda: whole(model))
+
+
 def test_partially_frozen_model_counts_only_the_gradients_autograd_computes():
     """Layer 0 frozen: no weight gradients there, but input gradients (the embedding below trains);
     layer 1 and the head train fully. Reference: every module replayed alone with the same
