@@ -45,7 +45,7 @@ import torch.utils.checkpoint as checkpoint_module
 
 from fxflops.call_keys import CallKeys
 from fxflops.capture.engines import not_a_microbatch, traced_module, transform_around
-from fxflops.capture.outputs import holds_iterator, output_tensors
+from fxflops.capture.outputs import backward_roots, holds_iterator, output_tensors
 from fxflops.capture.scope import capturing
 from fxflops.errors import CaptureError, FxFlopsError, GuardError, InputError, MetadataError, warn
 from fxflops.adapters import adapter_for
@@ -398,9 +398,10 @@ class Instrumented(torch.nn.Module):
             call = phase != RECOMPUTED  # a recompute is a call counted already
             if nodes:  # the forward now, the backward when (and each time) one runs from the outputs
                 self.flops.add(program, monomials, False, prefix=self._prefix, phase=phase, call=call)
-                bill = _BackwardBill(self.flops, program, monomials, self._prefix, nodes, self._warn_once)
+                roots = _output_nodes(backward_roots(out, output_tensors(out))) or nodes  # what the traced backward starts from
+                bill = _BackwardBill(self.flops, program, monomials, self._prefix, roots, self._warn_once)
                 for node in nodes:
-                    node.register_prehook(bill)
+                    node.register_prehook(functools.partial(bill, node))
             else:
                 self.flops.add(program, monomials, training and call, prefix=self._prefix, phase=phase, call=call)
             state = getattr(found[0], "state", None)
@@ -705,8 +706,9 @@ def _joined(prefix: str, path: str) -> str:
 
 
 def _output_nodes(out: Any) -> list:
-    """The autograd nodes of the output tensors that require grad; empty when one of them has none
-    (a leaf returned as it is: its backward cannot be seen starting, and is billed with the forward)."""
+    """The autograd nodes of the output tensors (or list of tensors) that require grad; empty when
+    one of them has none (a leaf returned as it is: its backward cannot be seen starting, and is
+    billed with the forward)."""
     nodes: dict[int, Any] = {}
     for tensor in [out] if isinstance(out, torch.Tensor) else output_tensors(out):
         if tensor.requires_grad:
@@ -731,14 +733,15 @@ class _BackwardBill:
         self.meter, self.program, self.monomials, self.prefix, self.task = meter, program, monomials, prefix, None
         self.nodes, self.warn = nodes, warn
 
-    def __call__(self, grad_outputs: Any) -> None:
+    def __call__(self, node: Any, grad_outputs: Any) -> None:
+        """Run as the pre-hook of output node ``node`` (being executed: autograd says it will not be)."""
         task = torch._C._current_graph_task_id()
         if task == self.task:
             return
         self.task = task
         partial = ""
         try:
-            partial = _partial_backward(self.nodes)
+            partial = _partial_backward([n for n in self.nodes if n is not node], node)
             if partial:
                 self.meter.not_counted()
                 self.warn(f"{partial} runs only part of the traced backward; call backward() on a loss of every output")
@@ -749,16 +752,18 @@ class _BackwardBill:
                 self.meter.not_counted()
 
 
-def _partial_backward(nodes: list) -> str:
-    """What makes this backward pass run only part of the graph of a call whose outputs' autograd
-    nodes are ``nodes`` ("" when it runs it whole, as the traced backward): some outputs it does not
-    reach (a backward from one of two outputs), or leaves whose gradients it does not compute
+def _partial_backward(nodes: list, running: Any) -> str:
+    """What makes this backward pass run only part of the graph of a call whose traced backward
+    starts from the autograd nodes ``nodes`` (its loss, or every output: ``backward_roots``; "" when
+    it runs it whole; ``running``, the node whose pre-hook asks, excepted): some of them it does not
+    reach (a backward from one of two outputs, from the logits of a call whose loss was traced), or
+    leaves whose gradients it does not compute
     (``backward(inputs=...)``, ``torch.autograd.grad(loss, x)``), seen on the first leaf of the
     graph: a gradient accumulator that does not run (``torch.autograd.grad`` runs none, its
     gradients are returned: so it is refused also when asked for every parameter's)."""
     if not all(map(torch._C._will_engine_execute_node, nodes)):
         return "a backward that reaches only some of the call's outputs"
-    leaf = _first_leaf(nodes)
+    leaf = _first_leaf([*nodes, running])
     if leaf is None:
         return ""
     try:

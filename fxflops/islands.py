@@ -54,8 +54,7 @@ from fxflops.analysis.masks import CAUSAL_ARGUMENTS
 from fxflops.analysis.paths import ancestors
 from fxflops.analysis.terms import Term, Unsupported
 from fxflops.binder import Binder
-from fxflops.capture.graph import backward_roots
-from fxflops.capture.outputs import output_tensors
+from fxflops.capture.outputs import backward_roots, output_tensors
 from fxflops.capture.isolation import isolated_call
 from fxflops.errors import CaptureError, FxFlopsError
 from fxflops.program import Program

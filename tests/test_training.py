@@ -140,6 +140,37 @@ class _TwoHeads(nn.Module):
         return self.a(h), self.b(h)
 
 
+class _LossAndSideOutput(nn.Module):
+    """Returns a loss and an output the loss does not read (LLaVA's vision hidden state)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk, self.head, self.side = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.trunk(x)
+        return {"loss": self.head(h).square().mean(), "side": self.side(h)}
+
+
+def test_a_backward_from_the_loss_is_whole_where_another_output_is_not_differentiated():
+    """The traced backward of an output with a loss starts from the loss: ``out["loss"].backward()``
+    is the whole of it although ``side`` gets no gradient; a backward from ``side`` alone is not."""
+    torch.manual_seed(0)
+    model = _LossAndSideOutput()
+    wrapper = fxflops.instrument(model, backward=True)
+    x = torch.randn(4, 8)
+    wrapper(x)["loss"].backward()
+    wrapper.flops.reset()
+    wrapper(x)["loss"].backward()
+    assert wrapper.flops.uncounted == 0
+    assert wrapper.flops.total() == _flop_counter(lambda: model(x)["loss"].backward())
+    wrapper.flops.reset()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        wrapper(x)["side"].sum().backward()
+    assert wrapper.flops.uncounted == 1
+
+
 def test_a_backward_through_part_of_the_call_s_graph_is_not_counted_and_said():
     """A backward from one of two outputs, to some leaves only (``backward(inputs=...)``) or by
     ``torch.autograd.grad`` runs less than the traced backward (was billed whole: 8192 and 12288

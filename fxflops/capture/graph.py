@@ -22,7 +22,7 @@ from torch.fx.experimental.proxy_tensor import _AttrProxy, _ModuleStackTracer, m
 from fxflops.capture.derived import TracedSize
 from fxflops.capture.inputs import Path, put
 from fxflops.capture.isolation import user_tensors_read_only
-from fxflops.capture.outputs import loss_of, output_tensors
+from fxflops.capture.outputs import backward_roots, output_tensors
 from fxflops.capture.phases import run_backward, tagging_recompute
 from fxflops.capture.reuse import LayerCalledTwice
 from fxflops.capture.scope import patched
@@ -260,17 +260,6 @@ def _computing_device(tensor: torch.Tensor, leaves: list[Any]) -> torch.device:
     if tensor.device.type != "meta":
         return tensor.device
     return next((leaf.device for leaf in leaves if isinstance(leaf, torch.Tensor) and leaf.device.type != "meta"), tensor.device)
-
-
-def backward_roots(out: Any, outputs: list[torch.Tensor]) -> list[torch.Tensor]:
-    """What training differentiates: the ``loss`` of an output that has one (a Hugging Face
-    ``ModelOutput``, a dict), as ``out.loss.backward()`` does; else every floating-point output
-    (``loss = sum of the outputs``). Other outputs of a model with a loss (LLaVA returns the vision
-    tower's last hidden state, which its projector does not read) get no gradient in training."""
-    loss = loss_of(out)
-    if isinstance(loss, torch.Tensor) and loss.dtype.is_floating_point:
-        return [loss]
-    return [x for x in outputs if x.dtype.is_floating_point]
 
 
 def _running_module(exc: BaseException, model: torch.nn.Module) -> str | None:

@@ -43,6 +43,17 @@ def loss_of(out: Any) -> Any:
     return None
 
 
+def backward_roots(out: Any, outputs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """What training differentiates: the ``loss`` of an output that has one (a Hugging Face
+    ``ModelOutput``, a dict), as ``out.loss.backward()`` does; else every floating-point output
+    (``loss = sum of the outputs``). Other outputs of a model with a loss (LLaVA returns the vision
+    tower's last hidden state, which its projector does not read) get no gradient in training."""
+    loss = loss_of(out)
+    if isinstance(loss, torch.Tensor) and loss.dtype.is_floating_point:
+        return [loss]
+    return [x for x in outputs if x.dtype.is_floating_point]
+
+
 def _collect(value: Any, found: list[torch.Tensor], depth: int) -> None:
     for leaf in pytree.tree_leaves(value):
         if isinstance(leaf, torch.Tensor):
