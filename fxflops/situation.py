@@ -63,8 +63,8 @@ from fxflops.call_keys import ALIASED, SCALARS, described_layout, value_key
 from fxflops.capture.reads import HOOK_DICTS, Reads, attribute, hook_at, hook_objects, library_module, module_at, named_modules
 from fxflops.errors import InputError
 from fxflops.situation_code import (
-    MAX_COMPARED, TORCH_BASES, CodeRead, SamePartial, attributes_read_beyond_updates, code_reads, copied, definition,
-    importable, plain,
+    MAX_COMPARED, TORCH_BASES, CodeRead, SamePartial, ThroughClass, attributes_read_beyond_updates, code_reads, copied,
+    definition, importable, plain,
 )
 
 
@@ -628,11 +628,16 @@ def _code_tests(reads: list[CodeRead], scope: dict[str, Any]) -> list[str]:
     for read in reads:
         if read.key is None:
             cells.append(read)
+        elif isinstance(read.namespace, ThroughClass):  # read as the code reads it: on the object
+            by_namespace.setdefault(id(read.namespace.obj), (read.namespace, []))[1].append(read)
         else:
             by_namespace.setdefault(id(read.namespace), (read.namespace, []))[1].append(read)
     tests = []
     for k, (namespace, group) in enumerate(by_namespace.values()):
-        scope[f"_g{k}"], scope[f"_f{k}"] = namespace, operator.itemgetter(*(r.key for r in group))
+        if isinstance(namespace, ThroughClass):
+            scope[f"_g{k}"], scope[f"_f{k}"] = namespace.obj, operator.attrgetter(*(r.key for r in group))
+        else:
+            scope[f"_g{k}"], scope[f"_f{k}"] = namespace, operator.itemgetter(*(r.key for r in group))
         scope[f"_e{k}"] = tuple(r.expected for r in group) if len(group) > 1 else group[0].expected
         tests.append(f"_f{k}(_g{k}) == _e{k}")
     if cells:

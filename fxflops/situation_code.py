@@ -164,7 +164,7 @@ def code_reads(model: torch.nn.Module, called: dict[str, set[str]], functions: l
         attributes_used |= uses.attributes_used
         attributes_set |= _attributes_set(fn.__code__)
         for name, read in reads:
-            where = (id(read.namespace), read.key)
+            where = (_namespace_id(read.namespace), read.key)
             found.setdefault(where, read)
             if name.startswith("."):  # used as attributes are: ``cfg.CACHE[k] = v``, ``k in cfg.CACHE``
                 module_attributes.add(where)
@@ -184,6 +184,12 @@ def code_reads(model: torch.nn.Module, called: dict[str, set[str]], functions: l
     code = [_container_read(read, where in changed, where in used) for where, read in found.items()]
     counters = frozenset(attributes_set - beyond_updates) if walked < MAX_FUNCTIONS else frozenset()
     return CodeReads(code, attributes_changed - attributes_used, counters, reads_requires_grad or walked >= MAX_FUNCTIONS)
+
+
+def _namespace_id(namespace: Any) -> int:
+    """Who a read's namespace is: the object for reads through its class (one :class:`ThroughClass`
+    is made per chain walked: their reads of one name are one read), else the namespace itself."""
+    return id(namespace.obj) if isinstance(namespace, ThroughClass) else id(namespace)
 
 
 def _class_reads(model: torch.nn.Module, names: set[str], found: dict) -> dict[tuple[int, str], CodeRead]:
@@ -806,11 +812,11 @@ def _seen_in_capture(var: contextvars.ContextVar) -> Any:
 
 
 class ThroughClass:
-    """An object's attributes as ``obj.name`` finds those it does not hold in its ``__dict__``: the
-    object's own if it gets one since, else its class's (the raw class attribute: a method's
-    function, a property; a slot's value), else what its ``__getattr__`` resolves (a config keeping
-    its settings in a dict). A read of a class default (``FLAGS[0].on`` with ``on = False`` on the
-    class) is so another situation once the class's value changes or the object gets its own."""
+    """An object's attributes as ``obj.name`` reads those its ``__dict__`` did not hold when the
+    code was walked: its class's default (``FLAGS[0].on`` with ``on = False`` on the class), a
+    slot's value, what its ``__getattr__`` resolves, and the object's own value once it gets one
+    (the class's changed, or shadowed, is another situation). Checked per call with
+    ``operator.attrgetter`` on the object (``situation.py``); a failing lookup reads as absent."""
 
     __slots__ = ("obj",)
 
@@ -818,19 +824,7 @@ class ThroughClass:
         self.obj = obj
 
     def __getitem__(self, key: str) -> Any:
-        own = attribute(self.obj, "__dict__")
-        if isinstance(own, dict) and key in own:
-            return own[key]
-        for cls in type(self.obj).__mro__:
-            if key in vars(cls):
-                found = vars(cls)[key]
-                if isinstance(found, types.MemberDescriptorType):  # a slot: its value
-                    try:
-                        return found.__get__(self.obj, type(self.obj))
-                    except AttributeError:  # unset
-                        raise KeyError(key) from None
-                return found
-        try:  # resolved by the object's own __getattr__
+        try:
             return getattr(self.obj, key)
         except Exception:  # noqa: BLE001 - absent however it says so
             raise KeyError(key) from None
@@ -958,7 +952,11 @@ def _chain(fn: types.FunctionType, owner: Any, path: str, following: list[dis.In
                 holder = attribute(owner, "__dict__")
                 holder = holder if isinstance(holder, dict) else ThroughClass(owner)  # slots: through the class
             if name not in holder and not isinstance(owner, (type, types.ModuleType, threading.local)):
-                holder = ThroughClass(owner)  # the object's class's, unless the object gets its own
+                defining = next((c for c in type(owner).__mro__ if name in vars(c)), None)
+                if defining is not None and isinstance(vars(defining)[name], _METHODS):  # by identity on its class
+                    holder = _class_namespace(defining)
+                else:  # a class default, a slot, a name __getattr__ resolves: as the object reads it
+                    holder = ThroughClass(owner)
         elif _constant_key(following, at, str) and type(owner) is dict or _constant_key(following, at, int) and type(owner) in (list, tuple):
             name, path, used_as, at, holder = step.argval, f"{path}[{step.argval!r}]", "", at + 2, owner
         else:
@@ -1124,13 +1122,20 @@ class ContextValue:
     such value. An object (transformers' output collector of a running call, which its hooks append
     to) is not compared: the trace sees it unset. A ``ContextVar.get()`` per call, no copy."""
 
-    __slots__ = ("var", "key")
+    __slots__ = ("var", "key", "seen")
 
     def __init__(self, var: contextvars.ContextVar) -> None:
-        self.var, self.key = var, _flag_key(_value_of(var))
+        self.seen = _value_of(var)
+        self.var, self.key = var, _flag_key(self.seen)
 
     def __eq__(self, other: object) -> bool:
-        return other is self.var and _flag_key(_value_of(other)) == self.key
+        if other is not self.var:
+            return False
+        try:
+            value = other.get()
+        except LookupError:
+            value = _UNSET
+        return value is self.seen or _flag_key(value) == self.key  # the same object: the common case, at once
 
     __hash__ = None  # type: ignore[assignment]
 
