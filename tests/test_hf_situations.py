@@ -191,3 +191,32 @@ def test_accelerate_hooks_on_a_module_trace_that_module(where):
     for images in (3, 1, 5):
         batch = hf_zoo.random_batch("qwen2_vl", rng, images=images)
         assert counted(wrapper, batch, True) == flop_counter_total(model, batch, True), (where, images)
+
+
+def test_a_loss_from_the_logits_of_a_sliding_window_model_in_training_is_counted():
+    """Mistral (a sliding window: its cache keeps a slice of the keys) in train mode with its cache
+    on, no labels, a loss computed from the logits: the cache is no root of the traced backward, so
+    the backward that never differentiates it is the whole traced one (was refused as partial)."""
+    import torch.nn.functional as F
+    import transformers
+
+    config = transformers.MistralConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, sliding_window=8, attn_implementation="eager",
+    )
+    torch.manual_seed(0)
+    model = transformers.MistralForCausalLM(config).train()
+    ids = torch.randint(0, 64, (2, 12))
+
+    def step(f):  # noqa: ANN001, ANN202
+        logits = f(input_ids=ids, use_cache=True).logits
+        F.cross_entropy(logits[:, :-1].reshape(-1, 64), ids[:, 1:].reshape(-1)).backward()
+
+    wrapper = fxflops.instrument(model, backward=True)
+    for _ in range(2):
+        wrapper.flops.reset()
+        step(wrapper)
+    with FlopCounterMode(display=False) as counter:
+        step(model)
+    assert wrapper.flops.uncounted == 0
+    assert wrapper.flops.total() == counter.get_total_flops()

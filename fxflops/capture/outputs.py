@@ -36,22 +36,36 @@ def holds_iterator(out: Any) -> bool:
 
 def loss_of(out: Any) -> Any:
     """The ``loss`` an output carries (a Mapping's key, a dataclass's field), or None."""
-    if isinstance(out, collections.abc.Mapping):
-        return out.get("loss")
-    if dataclasses.is_dataclass(out) and not isinstance(out, type):
-        return getattr(out, "loss", None)
-    return None
+    return _field(out, "loss")
 
 
 def backward_roots(out: Any, outputs: list[torch.Tensor]) -> list[torch.Tensor]:
     """What training differentiates: the ``loss`` of an output that has one (a Hugging Face
     ``ModelOutput``, a dict), as ``out.loss.backward()`` does; else every floating-point output
-    (``loss = sum of the outputs``). Other outputs of a model with a loss (LLaVA returns the vision
-    tower's last hidden state, which its projector does not read) get no gradient in training."""
+    (``loss = sum of the outputs``) but those of the key-value cache it returns (``cache``, formerly
+    ``past_key_values``: state for later calls, which no loss reads; a sliding window's cache keeps
+    a slice of the keys that a loss from the logits never differentiates). Other outputs of a model
+    with a loss (LLaVA
+    returns the vision tower's last hidden state, which its projector does not read) get no gradient
+    in training."""
     loss = loss_of(out)
     if isinstance(loss, torch.Tensor) and loss.dtype.is_floating_point:
         return [loss]
-    return [x for x in outputs if x.dtype.is_floating_point]
+    cache = {id(t) for name in _CACHE_FIELDS for t in output_tensors(_field(out, name))}
+    return [x for x in outputs if x.dtype.is_floating_point and id(x) not in cache]
+
+
+_CACHE_FIELDS = ("cache", "past_key_values", "cache_params")  # Hugging Face's names of an output's cache, new and old
+
+
+def _field(out: Any, name: str) -> Any:
+    """A Mapping's entry or a dataclass's field ``name`` of an output, or None (read only where it
+    is one: a renamed field's old name warns in transformers)."""
+    if isinstance(out, collections.abc.Mapping):
+        return out[name] if name in out.keys() else None
+    if dataclasses.is_dataclass(out) and not isinstance(out, type):
+        return getattr(out, name) if name in {f.name for f in dataclasses.fields(out)} else None
+    return None
 
 
 def _collect(value: Any, found: list[torch.Tensor], depth: int) -> None:
