@@ -530,10 +530,11 @@ class _Tests:
             self._fail_if(f"{other_type} or _opaque({x}, {shapes}) != {self._constant(key)}")
         else:
             self._fail_if(other_type)
-            if class_values(kind) and kind not in self.classes:  # once per class: a cache's layers share theirs
+            values = class_values(kind) if kind not in self.classes else ()  # once per class: a cache's layers share theirs
+            if values:
                 self.classes.add(kind)
                 self.scope["_class_values"] = class_values
-                self._fail_if(f"_class_values({self._constant(kind)}) != {self._constant(class_values(kind))}")
+                self._fail_if(f"_class_values({self._constant(kind)}) != {self._constant(values)}")
             attributes = self._local(f"{x}.__dict__")
             self._fail_if(f"tuple({attributes}) != {self._constant(tuple(state))}")
             if held is None or shapes:

@@ -142,6 +142,12 @@ _PRIVATE = {  # the wrapper's own settings, private: a model's child or attribut
 }
 
 
+_MAX_PROGRAMS_ADVICE = (
+    "calls of this situation and later new ones are measured op by op (exact, slower); a Python argument that changes "
+    "every call (a length, a count) makes a new situation each time: pass it as a tensor, or raise max_programs"
+)
+
+
 class Instrumented(torch.nn.Module):
     """The model behind ``fxflops.instrument``; see the module docstring."""
 
@@ -394,11 +400,12 @@ class Instrumented(torch.nn.Module):
         try:
             training = self._backward != "none" and torch.is_grad_enabled() and _requires_grad(out)
             program, monomials = found[0], self._monomials(*found)
-            nodes = _output_nodes(out) if training else ()
+            tensors = ([out] if isinstance(out, torch.Tensor) else output_tensors(out)) if training else []
+            nodes = _output_nodes(tensors)
             call = phase != RECOMPUTED  # a recompute is a call counted already
             if nodes:  # the forward now, the backward when (and each time) one runs from the outputs
                 self.flops.add(program, monomials, False, prefix=self._prefix, phase=phase, call=call)
-                roots = _output_nodes(backward_roots(out, output_tensors(out))) or nodes  # what the traced backward starts from
+                roots = _output_nodes(backward_roots(out, tensors)) or nodes  # what the traced backward starts from
                 bill = _BackwardBill(self.flops, program, monomials, self._prefix, roots, self._warn_once)
                 for node in nodes:
                     node.register_prehook(functools.partial(bill, node))
@@ -531,7 +538,7 @@ class Instrumented(torch.nn.Module):
                 reason = f"{name}: {miss}; already {len(self.programs)} programs (max_programs={self._max_programs}), not capturing another"
                 if not self._measure:
                     raise GuardError(reason)
-                return self._measured_whole(branch, sizes, reason), None
+                return self._measured_whole(branch, sizes, reason, "max_programs", _MAX_PROGRAMS_ADVICE), None
             if refused is not None:
                 raise CaptureError(refused.reason, module=refused.module)
             try:
@@ -546,7 +553,10 @@ class Instrumented(torch.nn.Module):
                 self._attempt.failed = (branch, branch.refusals[-1])
                 raise
             if program.state is not None and not program.state.matches():  # what the capture could not see
-                return self._measured_unseen(branch, sizes, f"{name}: {program.state.mismatch()}"), None
+                # the capture saw another state than the call's (an object a context variable holds, which a
+                # capture's context does not: capture/ambient.py): its program serves the calls in that state
+                reason = f"{name}: {program.state.mismatch()}: the capture could not see the state this call runs in"
+                return self._measured_whole(branch, sizes, reason, reason, "such calls are measured op by op (exact, slower)"), None
         return program, program.binder.values(args, kwargs)
 
     @contextlib.contextmanager
@@ -615,31 +625,15 @@ class Instrumented(torch.nn.Module):
             self._routing.watch(program.experts)
         return program
 
-    def _measured_whole(self, branch: _Branch, sizes: tuple, reason: str) -> Spine:
-        """The calls of a situation that gets no program of its own, measured whole: exact at every
-        size, slower than a program (each op priced as it runs). Said once per wrapper."""
+    def _measured_whole(self, branch: _Branch, sizes: tuple, reason: str, said: str, advice: str) -> Spine:
+        """The calls of a situation that gets no program of its own (or none that fits it), measured
+        whole: exact at every size, slower than a program (each op priced as it runs). Said once
+        per ``said`` (a kind of reason) per wrapper, with ``advice``."""
         spine = Spine.whole(self._traced, reason)
         branch.refusals.append(_Refusal(sizes, None, reason, "", spine))
-        if "max_programs" not in self._warned:
-            self._warned.add("max_programs")
-            warn(
-                f"fxflops: {reason}: calls of this situation and later new ones are measured op by op (exact, slower); "
-                "a Python argument that changes every call (a length, a count) makes a new situation each time: "
-                "pass it as a tensor, or raise max_programs",
-                stacklevel=5,
-            )
-        return spine
-
-    def _measured_unseen(self, branch: _Branch, sizes: tuple, reason: str) -> Spine:
-        """The calls of a situation whose capture saw another state than the call (an object a
-        context variable holds, which a capture's context does not: ``capture/ambient.py``): the
-        program serves the calls in the state it saw; these are measured whole (exact, slower)."""
-        reason = f"{reason}: the capture could not see the state this call runs in"
-        spine = Spine.whole(self._traced, reason)
-        branch.refusals.append(_Refusal(sizes, None, reason, "", spine))
-        if reason not in self._warned:
-            self._warned.add(reason)
-            warn(f"fxflops: {reason}; such calls are measured op by op (exact, slower)", stacklevel=5)
+        if said not in self._warned:
+            self._warned.add(said)
+            warn(f"fxflops: {reason}: {advice}", stacklevel=5)
         return spine
 
     def _refused_state(self, exc: Exception) -> ModelState | None:
@@ -705,12 +699,11 @@ def _joined(prefix: str, path: str) -> str:
     return ".".join(p for p in (prefix, path) if p)
 
 
-def _output_nodes(out: Any) -> list:
-    """The autograd nodes of the output tensors (or list of tensors) that require grad; empty when
-    one of them has none (a leaf returned as it is: its backward cannot be seen starting, and is
-    billed with the forward)."""
+def _output_nodes(tensors: list[torch.Tensor]) -> list:
+    """The autograd nodes of the output tensors that require grad; empty when one of them has none
+    (a leaf returned as it is: its backward cannot be seen starting, and is billed with the forward)."""
     nodes: dict[int, Any] = {}
-    for tensor in [out] if isinstance(out, torch.Tensor) else output_tensors(out):
+    for tensor in tensors:
         if tensor.requires_grad:
             node = tensor.grad_fn
             if node is None:

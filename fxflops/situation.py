@@ -46,7 +46,6 @@ import itertools
 import operator
 import sys
 import threading
-import types
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -63,8 +62,8 @@ from fxflops.call_keys import ALIASED, SCALARS, described_layout, value_key
 from fxflops.capture.reads import HOOK_DICTS, Reads, attribute, hook_at, hook_objects, library_module, module_at, named_modules
 from fxflops.errors import InputError
 from fxflops.situation_code import (
-    MAX_COMPARED, TORCH_BASES, CodeRead, SamePartial, ThroughClass, attributes_read_beyond_updates, code_reads, copied,
-    definition, importable, plain,
+    MAX_COMPARED, METHODS, TORCH_BASES, CodeRead, SamePartial, ThroughClass, attributes_read_beyond_updates, code_reads,
+    copied, definition, importable, namespace_id, plain,
 )
 
 
@@ -628,10 +627,8 @@ def _code_tests(reads: list[CodeRead], scope: dict[str, Any]) -> list[str]:
     for read in reads:
         if read.key is None:
             cells.append(read)
-        elif isinstance(read.namespace, ThroughClass):  # read as the code reads it: on the object
-            by_namespace.setdefault(id(read.namespace.obj), (read.namespace, []))[1].append(read)
-        else:
-            by_namespace.setdefault(id(read.namespace), (read.namespace, []))[1].append(read)
+        else:  # a namespace per group; reads through a class, one group per object (ThroughClass)
+            by_namespace.setdefault(namespace_id(read.namespace), (read.namespace, []))[1].append(read)
     tests = []
     for k, (namespace, group) in enumerate(by_namespace.values()):
         if isinstance(namespace, ThroughClass):
@@ -811,10 +808,7 @@ def _computing_descriptor(value: Any) -> bool:
     """A class attribute of model code's own descriptor type (a ``__get__`` computing the value read
     on the instance): not a function, property or the like, whose code the walk follows."""
     kind = type(value)
-    return hasattr(kind, "__get__") and not library_module(kind.__module__ or "") and not isinstance(value, _WALKED)
-
-
-_WALKED = (types.FunctionType, property, staticmethod, classmethod, functools.cached_property)
+    return hasattr(kind, "__get__") and not library_module(kind.__module__ or "") and not isinstance(value, METHODS)
 
 
 def _test_for(value: Any) -> str:

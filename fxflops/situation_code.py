@@ -87,6 +87,7 @@ import torch
 
 from fxflops.call_keys import SCALARS, value_key
 from fxflops.capture.ambient import traced_context_value
+from fxflops.capture.isolation import slot_descriptors
 from fxflops.capture.reads import HOOK_DICTS, NOT_HELD, attribute, library_module, module_at, named_modules
 
 MAX_FUNCTIONS = 512  # functions followed per model: the guards stay cheap, a huge code base is cut short
@@ -157,14 +158,15 @@ def code_reads(model: torch.nn.Module, called: dict[str, set[str]], functions: l
     walked, reads_requires_grad = 0, False
     for fn, reads in _followed(model, called, functions):
         walked += 1
-        reads_requires_grad = reads_requires_grad or any("requires_grad" in c.co_names for c in _codes(fn.__code__))
-        beyond_updates.update(*map(_loads_beyond_updates, _codes(fn.__code__)))
+        codes = list(_codes(fn.__code__))
+        reads_requires_grad = reads_requires_grad or any("requires_grad" in c.co_names for c in codes)
+        beyond_updates.update(*map(_loads_beyond_updates, codes))
         uses = _uses(fn.__code__)
         attributes_changed |= uses.attributes_changed
         attributes_used |= uses.attributes_used
         attributes_set |= _attributes_set(fn.__code__)
         for name, read in reads:
-            where = (_namespace_id(read.namespace), read.key)
+            where = (namespace_id(read.namespace), read.key)
             found.setdefault(where, read)
             if name.startswith("."):  # used as attributes are: ``cfg.CACHE[k] = v``, ``k in cfg.CACHE``
                 module_attributes.add(where)
@@ -186,7 +188,7 @@ def code_reads(model: torch.nn.Module, called: dict[str, set[str]], functions: l
     return CodeReads(code, attributes_changed - attributes_used, counters, reads_requires_grad or walked >= MAX_FUNCTIONS)
 
 
-def _namespace_id(namespace: Any) -> int:
+def namespace_id(namespace: Any) -> int:
     """Who a read's namespace is: the object for reads through its class (one :class:`ThroughClass`
     is made per chain walked: their reads of one name are one read), else the namespace itself."""
     return id(namespace.obj) if isinstance(namespace, ThroughClass) else id(namespace)
@@ -301,9 +303,8 @@ def _code_run_by(value: Any, path: str) -> Iterator[tuple[types.FunctionType, tu
     """The functions a callable runs, each with the object its first parameter is (``runs_on``):
     a bound method's object, a callable object's (``__call__`` of its class: a hook kept as an
     object with settings); a function's, a partial's: none."""
-    owner = getattr(value, "__self__", None) if isinstance(value, types.MethodType) else value
-    if isinstance(value, types.MethodType) and _plain_object(owner):
-        yield from ((f, (owner, path)) for f in _functions_in(value.__func__))
+    if isinstance(value, types.MethodType) and _plain_object(value.__self__):
+        yield from ((f, (value.__self__, path)) for f in _functions_in(value.__func__))
     elif callable(value) and _plain_object(value) and not isinstance(value, types.FunctionType):
         yield from ((f, (value, path)) for f in _functions_in(getattr(type(value), "__call__", None)))
     else:
@@ -848,10 +849,7 @@ class ThreadAttributes:
         self.local = local
 
     def __getitem__(self, key: str) -> Any:
-        try:
-            return vars(self.local)[key]
-        except KeyError:
-            raise KeyError(key) from None
+        return vars(self.local)[key]
 
     def __contains__(self, key: str) -> bool:
         return key in vars(self.local)
@@ -953,7 +951,7 @@ def _chain(fn: types.FunctionType, owner: Any, path: str, following: list[dis.In
                 holder = holder if isinstance(holder, dict) else ThroughClass(owner)  # slots: through the class
             if name not in holder and not isinstance(owner, (type, types.ModuleType, threading.local)):
                 defining = next((c for c in type(owner).__mro__ if name in vars(c)), None)
-                if defining is not None and isinstance(vars(defining)[name], _METHODS):  # by identity on its class
+                if defining is not None and isinstance(vars(defining)[name], METHODS):  # by identity on its class
                     holder = _class_namespace(defining)
                 else:  # a class default, a slot, a name __getattr__ resolves: as the object reads it
                     holder = ThroughClass(owner)
@@ -970,7 +968,7 @@ def _chain(fn: types.FunctionType, owner: Any, path: str, following: list[dis.In
             continue
         if holder is owner:  # a dict's entry (``CACHE["gram"]``): the dict is compared as a container
             return
-        if isinstance(value, _METHODS) and not isinstance(owner, types.ModuleType):
+        if isinstance(value, METHODS) and not isinstance(owner, types.ModuleType):
             # a method or property read on an object or class (``SETTINGS.enabled()``, ``Rotary.apply(x)``):
             # by identity on its class, its function walked on the object it runs on (:func:`_runs_on`)
             if not library_module(_module_name(owner)):
@@ -982,7 +980,7 @@ def _chain(fn: types.FunctionType, owner: Any, path: str, following: list[dis.In
         return
 
 
-_METHODS = (staticmethod, classmethod, property, functools.cached_property, types.FunctionType)  # walked where they run
+METHODS = (staticmethod, classmethod, property, functools.cached_property, types.FunctionType)  # walked where they run (situation.py too)
 
 
 def _runs_on(method: Any, owner: Any, path: str) -> tuple[Any, str] | None:
@@ -1039,15 +1037,11 @@ def _plain_object(value: Any) -> bool:
     """An object whose attributes are settings the code may read (a config instance, a namespace of
     parsed arguments): one with a ``__dict__`` that is not a module, class, function, tensor or
     ``nn.Module``, of a class of model code or a plain namespace."""
-    if isinstance(value, _NOT_OBJECTS) or isinstance(value, type) or (attribute(value, "__dict__") is None and not _has_slots(type(value))):
+    if isinstance(value, _NOT_OBJECTS) or isinstance(value, type) or (attribute(value, "__dict__") is None and not slot_descriptors(type(value))):
         return False
     module = type(value).__module__ or ""
     return module in _NAMESPACE_MODULES or not library_module(module)
 
-
-def _has_slots(cls: type) -> bool:
-    """Whether instances of ``cls`` keep attributes in slots (``__slots__`` of model code's classes)."""
-    return any(isinstance(v, types.MemberDescriptorType) for c in cls.__mro__ if not library_module(c.__module__ or "") for v in vars(c).values())
 
 
 _NOT_OBJECTS = (*NOT_HELD, functools.partial)  # what capture/reads.py does not record reads on, and partials
@@ -1131,10 +1125,7 @@ class ContextValue:
     def __eq__(self, other: object) -> bool:
         if other is not self.var:
             return False
-        try:
-            value = other.get()
-        except LookupError:
-            value = _UNSET
+        value = _value_of(other)
         return value is self.seen or _flag_key(value) == self.key  # the same object: the common case, at once
 
     __hash__ = None  # type: ignore[assignment]

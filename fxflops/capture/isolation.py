@@ -127,7 +127,7 @@ def saved_bindings(state: dict, names: Collection[str] | None = None) -> Restore
 
 
 @functools.cache
-def _slot_descriptors(cls: type) -> tuple[Any, ...]:
+def slot_descriptors(cls: type) -> tuple[Any, ...]:
     """The descriptors of the slots instances of ``cls`` have (of every class of its MRO)."""
     return tuple(
         descriptor
@@ -140,7 +140,7 @@ def _slot_descriptors(cls: type) -> tuple[Any, ...]:
 
 def _slot_values(obj: Any) -> dict[Any, Any]:
     values = {}
-    for descriptor in _slot_descriptors(type(obj)):
+    for descriptor in slot_descriptors(type(obj)):
         try:
             values[descriptor] = descriptor.__get__(obj, type(obj))
         except AttributeError:  # an unset slot
@@ -152,7 +152,7 @@ def attribute_values(obj: Any) -> list[Any]:
     """The values of ``obj``'s attributes: its ``__dict__``'s and its slots'."""
     own = attribute(obj, "__dict__")
     values = list(own.values()) if isinstance(own, dict) else []
-    if _slot_descriptors(type(obj)):
+    if slot_descriptors(type(obj)):
         values += [v for v in _slot_values(obj).values() if v is not _MISSING]
     return values
 
@@ -162,7 +162,7 @@ def saved_object(obj: Any) -> list[Restorer]:
     identity and the contents of the containers they hold."""
     own = attribute(obj, "__dict__")
     state = own if isinstance(own, dict) else {}
-    slots = _slot_values(obj) if _slot_descriptors(type(obj)) else {}
+    slots = _slot_values(obj) if slot_descriptors(type(obj)) else {}
 
     def restore_slots() -> None:
         for descriptor, value in slots.items():
@@ -218,7 +218,7 @@ def twin_of(model: torch.nn.Module) -> Twin:
 def _blank(obj: Any) -> Any:
     """A new object of ``obj``'s class with an empty ``__dict__`` (its ``__init__`` not run), or
     ``None`` when the class keeps state outside ``__dict__`` or cannot be made so (then shared)."""
-    if _slot_descriptors(type(obj)):
+    if slot_descriptors(type(obj)):
         return None
     try:
         return object.__new__(type(obj))
@@ -295,7 +295,7 @@ def _plain(value: Any) -> bool:
 
 def _has_state(value: Any) -> bool:
     """Whether ``value`` is an object with attributes of its own (a ``__dict__`` or slots)."""
-    return attribute(value, "__dict__") is not None or bool(_slot_descriptors(type(value)))
+    return attribute(value, "__dict__") is not None or bool(slot_descriptors(type(value)))
 
 
 def _shared(obj: Any) -> dict[int, Any]:
