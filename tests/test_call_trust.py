@@ -68,6 +68,37 @@ def _check(wrapper, model, backward: bool, label: str) -> None:
     assert_counted_call(wrapper, model, (torch.randn(5, 8),), backward, label)
 
 
+def _counted_then_rewound(wrapper, model, x, backward: bool, rewind, label: object) -> None:
+    """One call of ``wrapper`` counted; then ``rewind()`` puts back what the call moved (a counter
+    the model increments), so that FlopCounterMode's call of ``model`` sees what it saw."""
+    wrapper.flops.reset()
+    out = wrapper(x)
+    if backward:
+        out.sum().backward()
+    rewind()
+    assert wrapper.flops.uncounted == 0, label
+    assert wrapper.flops.total() == flop_counter_call(model, (x,), {}, backward=backward), label
+
+
+def _counted_in_another_thread(wrapper, model, x, backward: bool, setup=lambda: None) -> tuple[int, int]:
+    """(fxflops' count, FlopCounterMode's) of one call made in a new thread, after ``setup()`` there."""
+    results = []
+
+    def other_thread() -> None:
+        setup()
+        wrapper.flops.reset()
+        out = wrapper(x)
+        if backward:
+            out.sum().backward()
+        results.append((wrapper.flops.total(), flop_counter_call(model, (x,), {}, backward=backward)))
+
+    thread = threading.Thread(target=other_thread)
+    thread.start()
+    thread.join(timeout=60)
+    (counts,) = results
+    return counts
+
+
 class _Shadow(Knobs):
     pass
 
@@ -2125,13 +2156,7 @@ def test_a_hook_that_branches_on_its_own_counter_is_counted_as_it_runs(backward)
     wrapper = fxflops.instrument(model, backward=backward)
     x = torch.randn(4, 8)
     for step in range(4):
-        wrapper.flops.reset()
-        out = wrapper(x)
-        if backward:
-            out.sum().backward()
-        hook.calls -= 1  # the reference call sees the counter the wrapper's call saw
-        assert wrapper.flops.uncounted == 0, step
-        assert wrapper.flops.total() == flop_counter_call(model, (x,), {}, backward=backward), step
+        _counted_then_rewound(wrapper, model, x, backward, lambda: setattr(hook, "calls", hook.calls - 1), step)
 
 
 class _CountingBlock(nn.Module):
@@ -2182,13 +2207,8 @@ def test_a_module_s_call_counter_is_its_bookkeeping_unless_the_code_reads_it(bac
         model = _ReadsTheCount(how)
         wrapper = fxflops.instrument(model, backward=backward)
         for step in range(4):
-            wrapper.flops.reset()
-            out = wrapper(x)
-            if backward:
-                out.sum().backward()
-            model.block.calls -= 1  # the reference call sees the counter the wrapper's call saw
-            assert wrapper.flops.uncounted == 0, (how, step)
-            assert wrapper.flops.total() == flop_counter_call(model, (x,), {}, backward=backward), (how, step)
+            rewind = lambda: setattr(model.block, "calls", model.block.calls - 1)  # noqa: E731
+            _counted_then_rewound(wrapper, model, x, backward, rewind, (how, step))
 
 
 _FUSED = contextvars.ContextVar("fused", default=False)
@@ -2271,20 +2291,8 @@ def test_the_object_a_context_variable_or_thread_local_holds_is_part_of_the_situ
         _DEFAULT_OPTIONS.deep = False
         assert_counted_call(wrapper, model, (x,), backward, "default back")
         if how == "thread-local":
-            results = []
-
-            def other_thread() -> None:
-                _THREAD.options = types.SimpleNamespace(deep=True)
-                wrapper.flops.reset()
-                out = wrapper(x)
-                if backward:
-                    out.sum().backward()
-                results.append((wrapper.flops.total(), flop_counter_call(model, (x,), {}, backward=backward)))
-
-            thread = threading.Thread(target=other_thread)
-            thread.start()
-            thread.join(timeout=60)
-            (counted, reference), = results
+            setup = lambda: setattr(_THREAD, "options", types.SimpleNamespace(deep=True))  # noqa: E731
+            counted, reference = _counted_in_another_thread(wrapper, model, x, backward, setup)
             assert counted == reference
             assert_counted_call(wrapper, model, (x,), backward, "this thread's again")
     finally:
@@ -2308,19 +2316,7 @@ def test_a_context_variable_or_thread_local_flag_the_code_reads_is_part_of_the_s
             _switch(how, on)
             assert_counted_call(wrapper, model, (x,), backward, (how, on))
         assert wrapper.captures == 2
-        results = []
-
-        def other_thread() -> None:  # starts with the variable's default / no attribute: off
-            wrapper.flops.reset()
-            out = wrapper(x)
-            if backward:
-                out.sum().backward()
-            results.append((wrapper.flops.total(), flop_counter_call(model, (x,), {}, backward=backward)))
-
-        thread = threading.Thread(target=other_thread)
-        thread.start()
-        thread.join(timeout=60)
-        (counted, reference), = results
+        counted, reference = _counted_in_another_thread(wrapper, model, x, backward)  # the default / no attribute: off
         assert counted == reference  # the thread's own flag (off), whatever the main thread's is
         _switch(how, float("nan"))  # a NaN flag (never equal to itself) is one situation, not one per call
         before = wrapper.captures

@@ -131,32 +131,25 @@ def test_the_backward_is_counted_when_it_runs_and_each_time():
 
 
 class _TwoHeads(nn.Module):
-    def __init__(self) -> None:
+    """A trunk and two heads; with ``loss``, a loss from the first head and the second's output,
+    which the loss does not read (LLaVA's vision hidden state)."""
+
+    def __init__(self, loss: bool = False) -> None:
         super().__init__()
+        self.loss = loss
         self.trunk, self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
 
     def forward(self, x):
         h = self.trunk(x)
-        return self.a(h), self.b(h)
-
-
-class _LossAndSideOutput(nn.Module):
-    """Returns a loss and an output the loss does not read (LLaVA's vision hidden state)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.trunk, self.head, self.side = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 8)
-
-    def forward(self, x):
-        h = self.trunk(x)
-        return {"loss": self.head(h).square().mean(), "side": self.side(h)}
+        a, b = self.a(h), self.b(h)
+        return {"loss": a.square().mean(), "side": b} if self.loss else (a, b)
 
 
 def test_a_backward_from_the_loss_is_whole_where_another_output_is_not_differentiated():
     """The traced backward of an output with a loss starts from the loss: ``out["loss"].backward()``
     is the whole of it although ``side`` gets no gradient; a backward from ``side`` alone is not."""
     torch.manual_seed(0)
-    model = _LossAndSideOutput()
+    model = _TwoHeads(loss=True)
     wrapper = fxflops.instrument(model, backward=True)
     x = torch.randn(4, 8)
     wrapper(x)["loss"].backward()
@@ -193,6 +186,7 @@ def test_a_backward_through_part_of_the_call_s_graph_is_not_counted_and_said():
             run(wrapper)
         assert wrapper.flops.uncounted == 1 and wrapper.flops.total() == forward, label
         assert any("only part of the traced backward" in str(w.message) for w in caught), label
+
     def whole(f):  # noqa: ANN001, ANN202 - every output of the call
         a, b = f(x)
         (a * b).sum().backward()
