@@ -34,7 +34,7 @@ compares those by identity. Attributes the code reads on a module, a class or a 
 names as a global, a closure variable or a parameter's default (``settings.EXTRA``,
 ``pkg.layers.attention(...)``, ``os.environ.get("X")`` and ``os.getenv("X")``, ``Flags.FUSED``, ``ARGS.deep.n``,
 ``BLOCKS["vit"].extra``, ``FLAGS[0].on``; through a local assigned once, ``args = get_args(); args.flag``, where
-``get_args`` returns a global) are reads of the namespace holding each value on the way (the objects and
+``get_args`` returns a global, ``lru_cache``d or not) are reads of the namespace holding each value on the way (the objects and
 modules passed by identity), and so are the attributes it reads on an object's class
 (``type(self).WIDE``, ``self.__class__.WIDE``) that the model's module classes define: Dynamo
 guards these as it guards a global, and no attribute access on the modules records them. An
@@ -906,7 +906,10 @@ def _call_without_arguments(instructions: list[dis.Instruction], at: int) -> int
 
 
 def _returned_global(getter: Any) -> _Root | None:
-    """Where the global a getter of model code returns lives (``def get_args(): return _ARGS``)."""
+    """Where the global a getter of model code returns lives (``def get_args(): return _ARGS``; an
+    ``lru_cache``'d one returns what its function returned: the object, read as it is now)."""
+    if isinstance(getter, functools._lru_cache_wrapper):
+        getter = getter.__wrapped__
     if not isinstance(getter, types.FunctionType) or _is_library(getter):
         return None
     name = _returned_name(getter.__code__)

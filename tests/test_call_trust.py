@@ -585,6 +585,14 @@ def get_args():
     return _GLOBAL_ARGS
 
 
+_CACHED_SETTINGS = types.SimpleNamespace(extra=False)
+
+
+@functools.lru_cache(maxsize=None)
+def get_settings():
+    return _CACHED_SETTINGS
+
+
 def _with_defaults(h, fc, opts=_HELPER_DEFAULTS):
     return fc(h) if opts.extra else h
 
@@ -601,6 +609,8 @@ def _objects_model():
             args = get_args()
             h = self.fc(x)
             if args.extra:
+                h = self.fc(h)
+            if get_settings().extra:  # an lru_cache'd getter
                 h = self.fc(h)
             if RUN.extra:
                 h = self.fc(h)
@@ -633,6 +643,7 @@ def test_objects_and_tensors_the_code_reads_outside_the_model_guard_their_progra
             ("a helper's default object", lambda: setattr(_HELPER_DEFAULTS, "extra", True)),
             ("an object a getter returns", lambda: setattr(_GLOBAL_ARGS, "extra", True)),
             ("the getter's global rebound", lambda: globals().update(_GLOBAL_ARGS=types.SimpleNamespace(extra=False))),
+            ("an object an lru_cache'd getter returns", lambda: setattr(_CACHED_SETTINGS, "extra", True)),
             ("a global tensor of another shape", lambda: globals().update(TABLE=torch.randn(8, 24))),
             ("a global tensor resized in place", lambda: TABLE.resize_(8, 16)),
         ]
@@ -642,7 +653,7 @@ def test_objects_and_tensors_the_code_reads_outside_the_model_guard_their_progra
     finally:
         RUN, TABLE, _GLOBAL_ARGS = original_run, original_table, original_args
         _GLOBAL_ARGS.extra = False
-        BLOCKS["vit"].extra = _HELPER_DEFAULTS.extra = False
+        BLOCKS["vit"].extra = _HELPER_DEFAULTS.extra = _CACHED_SETTINGS.extra = False
 
 
 class _Settings:
