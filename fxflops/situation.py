@@ -548,7 +548,7 @@ class ModelState:
             return False
         try:
             return self._check()
-        except (KeyError, AttributeError, IndexError, ValueError):  # an attribute, module or global the trace read was deleted, a cell emptied
+        except Exception:  # noqa: BLE001 - a read the trace made fails now (deleted, a cell emptied, a lookup raising): not that state
             return False
 
     def mismatch(self) -> str:

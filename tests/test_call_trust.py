@@ -936,6 +936,53 @@ def test_settings_objects_of_every_shape_guard_their_programs(backward):
         vars(CACHED).pop("n", None)
 
 
+class _Lazy:
+    """Serves its settings from a dict through ``__getattr__``, raising RuntimeError (not
+    AttributeError) for one it does not hold: a lazily loaded config."""
+
+    def __init__(self) -> None:
+        self._settings = {"n": 2}
+
+    def __getattr__(self, name):
+        if name.startswith("_") or name not in self._settings:
+            raise RuntimeError(f"setting {name} not loaded")
+        return self._settings[name]
+
+
+LAZY = _Lazy()
+
+
+class _ReadsLazySetting(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        repeats = 1
+        try:
+            repeats = LAZY.n
+        except RuntimeError:  # not loaded: the default
+            pass
+        for _ in range(repeats):
+            x = self.fc(x)
+        return x
+
+
+@pytest.mark.parametrize("backward", [False, True])
+def test_a_setting_whose_lookup_raises_since_is_another_situation(backward):
+    """A setting the traced code read, whose lookup raises another error than AttributeError once
+    it is gone, makes the call another situation (counted as it runs), not an uncounted call."""
+    model = _ReadsLazySetting()
+    wrapper = fxflops.instrument(model, backward=backward)
+    try:
+        _check(wrapper, model, backward, "loaded")
+        del LAZY._settings["n"]
+        _check(wrapper, model, backward, "no longer loaded")
+        assert wrapper.flops.uncounted == 0
+    finally:
+        LAZY._settings["n"] = 2
+
+
 class _Projection(nn.Module):
     def __init__(self) -> None:
         super().__init__()
