@@ -45,7 +45,9 @@ library but for ``os`` (``os.environ``; its functions are not walked) and plain 
 (``x @ TABLE``) is compared by identity and shape (:class:`SameTensor`). A torch setting the code
 reads by calling a getter without arguments (``torch.get_num_threads()``,
 ``dist.is_initialized()``) or as a flag of ``torch.backends`` (``torch.backends.cudnn.deterministic``)
-is compared by the value it has now (:func:`_getter_reads`). What the code reads
+is compared by the value it has now (:func:`_getter_reads`); a torch function it calls through a
+module (``F.linear``, ``torch.matmul``) by identity on that module (:func:`_torch_functions`: one
+patched there runs other work). What the code reads
 through ``super()`` (``super().forward(x)``) is compared by identity on the base class that defines
 it, torch's classes too (:func:`_super_reads`). A method, property or class method the code
 calls on such an object (``SETTINGS.enabled()``, ``SETTINGS.depth``) is compared by identity on
@@ -598,6 +600,7 @@ def _attribute_reads(fn: types.FunctionType, runs_on: tuple[Any, str] | None = N
     yield from _getter_reads(fn)
     for code in _codes(fn.__code__):
         instructions = _instructions(code)
+        yield from _torch_functions(fn, instructions)
         assigned = _assigned_once(fn, code, instructions, runs_on)
         for at, instruction in enumerate(instructions):
             found = _root(fn, code, instructions, at, assigned)
@@ -612,6 +615,36 @@ def _attribute_reads(fn: types.FunctionType, runs_on: tuple[Any, str] | None = N
             elif chain and namespace is not None:  # the global or closure variable rebound
                 yield "", CodeRead(f"{instruction.argval} (an object {fn.__qualname__} reads attributes of)", namespace, key, owner, "is")
             yield from chain
+
+
+def _torch_functions(fn: types.FunctionType, instructions: list[dis.Instruction]) -> Iterator[tuple[str, CodeRead]]:
+    """The functions of torch's modules the code calls through a module it names as a global
+    (``F.scaled_dot_product_attention``, ``torch.nn.functional.linear``, ``torch.matmul``), by
+    identity on the module that holds each: one patched in its module (torch's context parallelism
+    replaces ``F.scaled_dot_product_attention`` with a ring attention inside its context; a user's
+    ``F.linear = lora_linear``) runs other work than the traced one. A function imported by name
+    (``from torch import matmul``) is a global, compared as globals are."""
+    for at, instruction in enumerate(instructions):
+        if instruction.opname != "LOAD_GLOBAL":
+            continue
+        module, path = fn.__globals__.get(instruction.argval), instruction.argval
+        if not isinstance(module, types.ModuleType) or not _of_torch(module.__name__):
+            continue
+        for step in instructions[at + 1 :]:
+            namespace = vars(module)
+            if step.opname not in ("LOAD_ATTR", "LOAD_METHOD") or step.argval not in namespace:
+                break
+            value, path = namespace[step.argval], f"{path}.{step.argval}"
+            if isinstance(value, types.ModuleType) and _of_torch(value.__name__):
+                module = value
+                continue
+            if callable(value) and not isinstance(value, type):
+                yield "." + step.argval, CodeRead(f"{path} (called by {fn.__qualname__})", namespace, step.argval, value, "is")
+            break
+
+
+def _of_torch(name: str) -> bool:
+    return name == "torch" or name.startswith("torch.")
 
 
 def _super_reads(fn: types.FunctionType) -> Iterator[tuple[str, CodeRead]]:

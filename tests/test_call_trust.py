@@ -983,6 +983,52 @@ def test_a_setting_whose_lookup_raises_since_is_another_situation(backward):
         LAZY._settings["n"] = 2
 
 
+class _CallsTorchThroughItsModules(nn.Module):
+    """Calls torch's functions through the modules that hold them, as model code does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = nn.functional.linear(x, self.fc.weight)
+        q = h.view(1, 1, -1, 8)
+        h = torch.nn.functional.scaled_dot_product_attention(q, q, q).view_as(h)
+        return torch.matmul(h, self.fc.weight)
+
+
+_TORCH_LINEAR, _TORCH_MATMUL, _TORCH_ATTENTION = nn.functional.linear, torch.matmul, nn.functional.scaled_dot_product_attention
+
+
+def _with_adapter(x, weight, bias=None):  # a low-rank adapter patched in: x W^T + (x A^T) B^T
+    return _TORCH_LINEAR(x, weight, bias) + _TORCH_LINEAR(_TORCH_LINEAR(x, weight[:2]), weight[:, :2])
+
+
+def _over_the_whole_sequence(q, k, v, **kwargs):  # a ring attention: each query over keys gathered from two ranks
+    return _TORCH_ATTENTION(q, torch.cat([k, k], dim=-2), torch.cat([v, v], dim=-2), **kwargs)
+
+
+@pytest.mark.parametrize("backward", [False, True])
+def test_a_torch_function_patched_in_its_module_is_another_situation(backward, monkeypatch):
+    """A torch function the model calls through its module (``F.linear``, ``torch.matmul``,
+    ``torch.nn.functional.scaled_dot_product_attention``), patched there between calls (an adapter,
+    torch's context parallelism patching attention in its context), runs other work: counted as it
+    runs (was the traced function's count)."""
+    model = _CallsTorchThroughItsModules()
+    wrapper = fxflops.instrument(model, backward=backward)
+    _check(wrapper, model, backward, "torch's own functions")
+    patches = [
+        ("F.linear", lambda: monkeypatch.setattr(nn.functional, "linear", _with_adapter)),
+        ("torch.matmul", lambda: monkeypatch.setattr(torch, "matmul", lambda a, b: _TORCH_MATMUL(a, b) + _TORCH_MATMUL(a, b))),
+        ("attention", lambda: monkeypatch.setattr(nn.functional, "scaled_dot_product_attention", _over_the_whole_sequence)),
+        ("all restored", monkeypatch.undo),
+    ]
+    for label, patch in patches:
+        patch()
+        _check(wrapper, model, backward, label)
+    assert len(wrapper.programs) == 4
+
+
 class _Projection(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -66,8 +66,8 @@ def _layout_oblivious() -> Iterator[None]:
         return self.clone(memory_format=memory_format)
 
     with contextlib.ExitStack() as stack:
-        linear = stack.enter_context(patched(F, "linear", lambda input, weight, bias=None: linear(
-            input.clone(memory_format=torch.contiguous_format), weight, bias
+        linear = stack.enter_context(patched(F, "linear", lambda input, *args, **kwargs: linear(
+            input.clone(memory_format=torch.contiguous_format), *args, **kwargs
         )))
         stack.enter_context(patched(torch.Tensor, "contiguous", contiguous))
         stack.enter_context(patched(torch, "_debug_has_internal_overlap", lambda tensor: 0))
@@ -84,8 +84,12 @@ def _attention_flags_as_bools() -> Iterator[None]:
     guard it stands for (``seq <= 1``), so the program holds exactly where the flag is the same.
     """
 
-    def attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, **kwargs):
-        return sdpa(query, key, value, attn_mask, dropout_p, bool(is_causal), **kwargs)
+    def attention(*args, **kwargs):  # the arguments as given: the function patched in may be another one (a ring attention)
+        if "is_causal" in kwargs:
+            kwargs["is_causal"] = bool(kwargs["is_causal"])
+        elif len(args) > 5:
+            args = (*args[:5], bool(args[5]), *args[6:])
+        return sdpa(*args, **kwargs)
 
     with patched(F, "scaled_dot_product_attention", attention) as sdpa:
         yield
