@@ -214,10 +214,11 @@ class Instrumented(torch.nn.Module):
         self._lock_owner: int | None = None  # the thread holding it
         self._attempt = threading.local()  # .failed: (branch, refusal) of a capture that failed on this thread's call
         self._recent: dict[tuple, tuple] = {}  # call layout -> (check, modes, program) of recent situations
+        self._built = True  # from now on, a name the wrapper does not have is set on the model (__setattr__)
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
-        for runtime in ("forward", "_lock", "_lock_owner", "_attempt", "_recent"):
+        for runtime in ("forward", "_lock", "_lock_owner", "_attempt", "_recent", "_built"):
             state.pop(runtime, None)
         return state
 
@@ -268,6 +269,26 @@ class Instrumented(torch.nn.Module):
             return super().__getattr__(name)
         except AttributeError:
             return getattr(object.__getattribute__(self, "_model"), name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """A name the wrapper does not hold itself (its settings, meter and programs, ``nn.Module``'s
+        own state, its class's attributes) is set on the model, as it is read from the model:
+        ``wrapper.gradient_checkpointing = True`` reaches the model whose code reads it (as set on
+        ``torch.compile``'s wrapper); children, parameters and buffers are the model's either way."""
+        if self._owns(name):
+            super().__setattr__(name, value)
+        else:
+            setattr(self._model, name, value)
+
+    def __delattr__(self, name: str) -> None:
+        if self._owns(name):
+            super().__delattr__(name)
+        else:
+            delattr(self._model, name)
+
+    def _owns(self, name: str) -> bool:
+        own = self.__dict__
+        return "_built" not in own or name in own or hasattr(type(self), name)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling():  # torch.compile(instrument(model)): see the module docstring

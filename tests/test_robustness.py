@@ -534,6 +534,42 @@ def test_a_model_whose_children_have_the_wrapper_s_setting_names_is_instrumented
     assert _training_count(old, x) == flop_counter_call(model, (x,), {}, backward=True)
 
 
+class _Repeated(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.repeats = nn.Linear(8, 8), 1
+
+    def forward(self, x):
+        for _ in range(self.repeats):
+            x = self.fc(x)
+        return x
+
+
+@pytest.mark.parametrize("copied", [False, True])
+def test_an_attribute_set_on_the_wrapper_is_set_on_the_model(copied):
+    """A setting a training script sets on the model handle it holds, the wrapper
+    (``wrapper.gradient_checkpointing = True``), is the model's: its code reads it, and the call is
+    counted as it runs (was: set on the wrapper only, the model ran and was counted as before);
+    deleted from the model too; the wrapper's own settings and meter stay its own."""
+    wrapper = fxflops.instrument(_Repeated(), backward=True)
+    if copied:
+        wrapper = pickle.loads(pickle.dumps(wrapper))
+    model, x = wrapper.wrapped_model, torch.randn(4, 8)
+    once = _training_count(wrapper, x)
+    assert once == flop_counter_call(model, (x,), {}, backward=True)
+    wrapper.repeats = 3
+    assert model.repeats == 3 and "repeats" not in vars(wrapper)
+    assert _training_count(wrapper, x) == flop_counter_call(model, (x,), {}, backward=True) > once
+    del wrapper.repeats
+    assert not hasattr(model, "repeats")
+    wrapper.extra = nn.Linear(8, 8)  # a child, as before
+    assert model.extra is wrapper.extra
+    meter = fxflops.Meter()
+    wrapper.flops = meter
+    wrapper.train(False)
+    assert wrapper.flops is meter and not hasattr(model, "flops") and not model.training
+
+
 def test_varlen_attention_forward_and_backward_under_flop_counter_mode():
     torch.manual_seed(0)
     q = torch.randn(10, 4, 8, dtype=torch.float64, requires_grad=True)
