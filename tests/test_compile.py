@@ -155,3 +155,42 @@ def test_a_compiled_submodule_is_captured_as_written():
         wrapper(ids).sum().backward()
         assert wrapper.flops.total() - before == flop_counter_call(model, (ids,), {}, backward=True), (b, s)
     assert wrapper.captures == 1
+
+
+class _TrainOnlyBranch(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.extra = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16), False
+
+    def forward(self, x):
+        x = self.a(x)
+        if self.training or self.extra:  # a train-only auxiliary branch; a flag (an adapter's) too
+            x = self.b(x)
+        return x
+
+
+def test_the_state_a_compiled_submodule_reads_is_the_call_s_situation():
+    """The attributes a compiled submodule's original code reads (its ``training`` flag, a flag set
+    on the original module) are guarded as a plain submodule's are (was: the capture ran the user's
+    original module, not its copy, so nothing it read was recorded: ``model.eval()`` kept the train
+    program, 34816 vs 18432 FLOPs). Forward and training calls, each change both ways."""
+    from reference import flop_counter_call
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.compile(_TrainOnlyBranch(), backend="eager"), torch.nn.Linear(16, 4))
+    wrapper = fxflops.instrument(model, backward=True, strict=True)
+    inner = model[0]._orig_mod
+    steps = [
+        ("train", lambda: model.train()), ("eval", lambda: model.eval()), ("flag set", lambda: setattr(inner, "extra", True)),
+        ("flag unset", lambda: setattr(inner, "extra", False)), ("train again", lambda: model.train()),
+    ]
+    for label, change in steps:
+        change()
+        for backward in (False, True):
+            x = torch.randn(8, 16)
+            wrapper.flops.reset()
+            out = wrapper(x)
+            if backward:
+                out.sum().backward()
+            assert wrapper.flops.total() == flop_counter_call(model, (x,), {}, backward=backward), (label, backward)

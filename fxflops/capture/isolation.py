@@ -280,10 +280,13 @@ def _rebound(function: Any, copies: dict[int, Any]) -> Any:
 
 
 def _cell_holds_copied(cell: Any, copies: dict[int, Any]) -> bool:
+    """Whether a closure cell holds a copied object, or a method bound to one (a compiled submodule's
+    ``forward`` wraps its original module's ``__call__``)."""
     try:
-        return id(cell.cell_contents) in copies
+        value = cell.cell_contents
     except ValueError:  # an empty cell
         return False
+    return id(value) in copies or isinstance(value, types.MethodType) and id(value.__self__) in copies
 
 
 _PLAIN = (torch.Tensor, bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device, torch.Size, type)
