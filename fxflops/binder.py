@@ -130,6 +130,12 @@ class Binder:
         self._by_layout: dict[tuple, Callable[[tuple, dict], tuple[int, ...]]] = {}
         self._weights: dict[tuple, torch.Tensor] = {}  # pair_weights and run indices, per shape and device (_cached)
 
+    @property
+    def reads_values(self) -> bool:
+        """Whether some symbol comes from an input's values (segment power sums, a padding mask's
+        kept pairs, a derived count): on a device, a 0-d tensor there."""
+        return bool(self.stats or self.kept_pairs or self.counts)
+
     def values(self, args: tuple, kwargs: dict) -> tuple[int, ...]:
         """The free symbols' values for this call, in ``self.symbols`` order; InputError if off-trace."""
         read = self._by_layout.get((len(args), tuple(kwargs)))  # the hot path: one dict lookup

@@ -91,3 +91,13 @@ TORCHTITAN = Convention("torchtitan", backward="2x", recompute=False)
 """torchtitan ``get_dense_model_nparams_and_flops``: 6N + 12·L·n·d·T, no causal halving."""
 
 PRESETS = {c.name: c for c in (FLOPCOUNTER, MEGATRON, PALM, TORCHTITAN)}
+
+
+def as_convention(convention: Convention | str | None) -> Convention | None:
+    """``convention``, a preset given by its name (``"megatron"``), or None; ValueError naming the
+    presets for another name or value."""
+    if convention is None or isinstance(convention, Convention):
+        return convention
+    if isinstance(convention, str) and convention in PRESETS:
+        return PRESETS[convention]
+    raise ValueError(f"convention must be a Convention or one of {sorted(PRESETS)}, not {convention!r}")

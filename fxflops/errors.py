@@ -10,12 +10,14 @@ class CaptureError(FxFlopsError):
 
     ``module`` is the path of the innermost module whose code failed (``""``: the root's own code),
     where the trace found it; ``None`` when the failure has no place in the module tree. A call whose
-    capture failed at a module is counted by measuring that module's own code (``fxflops/islands.py``).
+    capture failed at a module is counted by measuring that module's own code (``fxflops/islands.py``);
+    one whose symbolic trace failed where no module can be named (``in_trace``: torch's own code
+    refusing a symbolic size) by measuring the whole call, at that size class.
     """
 
-    def __init__(self, *args: object, module: str | None = None) -> None:
+    def __init__(self, *args: object, module: str | None = None, in_trace: bool = False) -> None:
         super().__init__(*args)
-        self.module = module
+        self.module, self.in_trace = module, in_trace
 
 
 class PinnedSymbolError(CaptureError):

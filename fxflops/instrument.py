@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import inspect
 import threading
 import time
@@ -40,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.nn.utils.parametrize as parametrize
 import torch.utils._pytree as pytree
 import torch.utils.checkpoint as checkpoint_module
 
@@ -49,6 +51,7 @@ from fxflops.capture.outputs import backward_roots, holds_iterator, output_tenso
 from fxflops.capture.scope import capturing
 from fxflops.errors import CaptureError, FxFlopsError, GuardError, InputError, MetadataError, warn
 from fxflops.adapters import adapter_for
+from fxflops.backward import BackwardBill, bill_backward, output_nodes
 from fxflops.generation import counting_own_calls, generated_tokens
 from fxflops.islands import MeasuredCall, Spine
 from fxflops.meter import RECOMPUTED, Meter
@@ -105,10 +108,11 @@ class _Branch:
 
     def refusal(self, sizes: tuple) -> _Refusal | None:
         """The failed capture a call of this size class meets without another capture, or None: one
-        measured instead (``spine``: measuring is exact at any size, so one serves every size class
-        of the situation), else the last refusal once :data:`MAX_ATTEMPTS` failed."""
+        measured instead (``spine``: measuring is exact at any size, so one that failed in a module
+        serves every size class of the situation; one no module is named for, its own), else the
+        last refusal once :data:`MAX_ATTEMPTS` failed."""
         held = [r for r in self.refusals if r.state is None or r.state.matches()]
-        measured = next((r for r in held if r.spine is not None), None)
+        measured = next((r for r in held if r.spine is not None and (r.module is not None or r.sizes == sizes)), None)
         if measured is not None:
             return measured
         found = [r for r in held if r.sizes == sizes]
@@ -117,6 +121,17 @@ class _Branch:
             reason = f"{last.reason} (after {self.attempts} failed captures of this call layout, not trying again)"
             return _Refusal(last.sizes, last.state, reason, last.module)
         return found[0] if found else None
+
+
+def _lazy(model: torch.nn.Module) -> bool:
+    """Whether a parameter or buffer of ``model`` is not made yet (``nn.LazyLinear`` before its first call)."""
+    return any(map(torch.nn.parameter.is_lazy, itertools.chain(model.parameters(), model.buffers())))
+
+
+def _cached_parametrizations(model: torch.nn.Module) -> bool:
+    """Whether ``model`` has parametrized tensors and runs inside ``parametrize.cached()`` (the
+    first read of each in the context computes it, the later ones find it: work a program cannot hold)."""
+    return parametrize._cache_enabled > 0 and any(map(parametrize.is_parametrized, model.modules()))
 
 
 def _state_mismatch(state: ModelState) -> str:
@@ -420,16 +435,16 @@ class Instrumented(torch.nn.Module):
             return
         try:
             training = self._backward != "none" and torch.is_grad_enabled() and _requires_grad(out)
+            if found[0].binder.reads_values and any(isinstance(v, torch.Tensor) and v.is_meta for v in found[1]):
+                raise MetadataError(f"{type(self._traced).__name__}: an input the count reads values of is on the meta device (no values)")
             program, monomials = found[0], self._monomials(*found)
             tensors = ([out] if isinstance(out, torch.Tensor) else output_tensors(out)) if training else []
-            nodes = _output_nodes(tensors)
+            nodes = output_nodes(tensors)
             call = phase != RECOMPUTED  # a recompute is a call counted already
             if nodes:  # the forward now, the backward when (and each time) one runs from the outputs
                 self.flops.add(program, monomials, False, prefix=self._prefix, phase=phase, call=call)
-                roots = _output_nodes(backward_roots(out, tensors)) or nodes  # what the traced backward starts from
-                bill = _BackwardBill(self.flops, program, monomials, self._prefix, roots, self._warn_once)
-                for node in nodes:
-                    node.register_prehook(functools.partial(bill, node))
+                roots = output_nodes(backward_roots(out, tensors)) or nodes  # what the traced backward starts from
+                bill_backward(BackwardBill(self.flops, program, monomials, self._prefix, len(roots), self._warn_once), nodes, roots)
             else:
                 self.flops.add(program, monomials, training and call, prefix=self._prefix, phase=phase, call=call)
             state = getattr(found[0], "state", None)
@@ -469,7 +484,7 @@ class Instrumented(torch.nn.Module):
                 self._not_counted(exc)
             out = generate(*args, **kwargs)
         try:
-            self.flops.generated_tokens += generated_tokens(self._traced, args, kwargs, out)
+            self.flops.add_generated_tokens(generated_tokens(self._traced, args, kwargs, out))
         except Exception as exc:  # noqa: BLE001 - the fail-open boundary
             self._not_counted(exc)
         return out
@@ -562,17 +577,21 @@ class Instrumented(torch.nn.Module):
                 return self._measured_whole(branch, sizes, reason, "max_programs", _MAX_PROGRAMS_ADVICE), None
             if refused is not None:
                 raise CaptureError(refused.reason, module=refused.module)
+            if self._measure and _lazy(self._traced):  # its first call makes its parameters: measured, then captured
+                return Spine.whole(self._traced, f"{name} has parameters its first call makes (a lazy module)"), None
+            if self._measure and _cached_parametrizations(self._traced):
+                reason = f"{name}: its parametrized weights are computed once per torch.nn.utils.parametrize.cached() context"
+                return self._measured_whole(branch, sizes, reason, "parametrize.cached", "such calls are measured op by op (exact, slower)"), None
             try:
                 program = self._capture(branch, situation, sizes, args, kwargs, roots)
-            except CaptureError as exc:
+            except Exception as exc:
                 self._attempt.failed = (branch, branch.refusals[-1])
-                if exc.module is None or not self._measure:
+                if not (self._measure and isinstance(exc, CaptureError) and (exc.module is not None or exc.in_trace)):
                     raise
-                branch.refusals[-1].spine = Spine(exc.module, str(exc))
+                # measured where it failed; a trace failing where no module is named (a size torch's own
+                # checks refuse symbolically: batch 0 in a training BatchNorm), from the root, at that size class
+                branch.refusals[-1].spine = Spine(exc.module or "", branch.refusals[-1].reason)
                 return branch.refusals[-1].spine, None
-            except Exception:
-                self._attempt.failed = (branch, branch.refusals[-1])
-                raise
             if program.state is not None and not program.state.matches():  # what the capture could not see
                 # the capture saw another state than the call's (an object a context variable holds, which a
                 # capture's context does not: capture/ambient.py): its program serves the calls in that state
@@ -720,88 +739,6 @@ def _joined(prefix: str, path: str) -> str:
     return ".".join(p for p in (prefix, path) if p)
 
 
-def _output_nodes(tensors: list[torch.Tensor]) -> list:
-    """The autograd nodes of the output tensors that require grad; empty when one of them has none
-    (a leaf returned as it is: its backward cannot be seen starting, and is billed with the forward)."""
-    nodes: dict[int, Any] = {}
-    for tensor in tensors:
-        if tensor.requires_grad:
-            node = tensor.grad_fn
-            if node is None:
-                return []
-            nodes[id(node)] = node
-    return list(nodes.values())
-
-
-class _BackwardBill:
-    """A call's backward, added to the meter when a backward reaches the call's outputs: once per
-    backward pass (autograd's graph task; a pass reaching several outputs bills once), again for
-    each pass (``retain_graph``), never when none runs (an evaluation left in grad mode). A pass
-    through only part of the call's graph (:func:`_partial_backward`) runs less than the traced
-    backward: not counted, and said. A node pre-hook: it leaves the gradients as they are, and never
-    raises into the backward."""
-
-    __slots__ = ("meter", "program", "monomials", "prefix", "task", "nodes", "warn")
-
-    def __init__(self, meter: Meter, program: Program, monomials: tuple, prefix: str, nodes: list, warn: Callable[[str], None]) -> None:
-        self.meter, self.program, self.monomials, self.prefix, self.task = meter, program, monomials, prefix, None
-        self.nodes, self.warn = nodes, warn
-
-    def __call__(self, node: Any, grad_outputs: Any) -> None:
-        """Run as the pre-hook of output node ``node`` (being executed: autograd says it will not be)."""
-        task = torch._C._current_graph_task_id()
-        if task == self.task:
-            return
-        self.task = task
-        partial = ""
-        try:
-            partial = _partial_backward([n for n in self.nodes if n is not node], node)
-            if partial:
-                self.meter.not_counted()
-                self.warn(f"{partial} runs only part of the traced backward; call backward() on a loss of every output")
-                return
-            self.meter.add(self.program, self.monomials, prefix=self.prefix, call=False, backward=True)
-        except Exception:  # noqa: BLE001, S110 - a backward is never broken by telemetry
-            if not partial:
-                self.meter.not_counted()
-
-
-def _partial_backward(nodes: list, running: Any) -> str:
-    """What makes this backward pass run only part of the graph of a call whose traced backward
-    starts from the autograd nodes ``nodes`` (its loss, or every output: ``backward_roots``; "" when
-    it runs it whole; ``running``, the node whose pre-hook asks, excepted): some of them it does not
-    reach (a backward from one of two outputs, from the logits of a call whose loss was traced), or
-    leaves whose gradients it does not compute
-    (``backward(inputs=...)``, ``torch.autograd.grad(loss, x)``), seen on the first leaf of the
-    graph: a gradient accumulator that does not run (``torch.autograd.grad`` runs none, its
-    gradients are returned: so it is refused also when asked for every parameter's)."""
-    if not all(map(torch._C._will_engine_execute_node, nodes)):
-        return "a backward that reaches only some of the call's outputs"
-    leaf = _first_leaf([*nodes, running])
-    if leaf is None:
-        return ""
-    try:
-        executed = torch._C._will_engine_execute_node(leaf)
-    except RuntimeError:  # asked of a leaf inside torch.autograd.grad, in some versions
-        executed = False
-    return "" if executed else "a backward to only some of the leaves (backward(inputs=...), torch.autograd.grad())"
-
-
-def _first_leaf(nodes: list, limit: int = 256) -> Any:
-    """The first gradient accumulator (a leaf that requires grad: a parameter, an input) reached
-    from ``nodes``, looking at ``limit`` nodes at most; None when there is none."""
-    stack, seen = list(nodes), set()
-    while stack and len(seen) < limit:
-        node = stack.pop()
-        if node is None or id(node) in seen:
-            continue
-        seen.add(id(node))
-        if hasattr(node, "variable"):  # AccumulateGrad
-            return node
-        stack.extend(next_node for next_node, _ in node.next_functions)
-    return None
-
-
 def _requires_grad(out: Any) -> bool:
     """True if any tensor in the output requires grad (so a backward can follow this forward). An
     output holding an iterator (a generator) hides its tensors until consumed: whether a backward
@@ -838,7 +775,8 @@ def instrument(
     (and recompute) when a backward reaches its outputs: once per backward pass, each pass (a
     retained graph), never when none runs (an evaluation left in grad mode). The traced backward
     starts from the loss or every floating output; a backward from some of them, or to some inputs
-    only (``autograd.grad(loss, x)``, ``backward(inputs=...)``), is billed as that whole backward. A
+    only (``autograd.grad(loss, x)``, ``backward(inputs=...)``), runs less than it: not counted, and
+said (``torch.autograd.grad`` is, even for every leaf: torch does not tell which leaves it asks). A
     measured call's symbolic children and calls through ``torch.compile`` bill their backward with
     the forward. A forward under ``torch.no_grad()`` is its own situation, captured and counted as a
     forward.

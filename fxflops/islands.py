@@ -53,6 +53,7 @@ from fxflops.analysis import Analysis
 from fxflops.analysis.masks import CAUSAL_ARGUMENTS
 from fxflops.analysis.paths import ancestors
 from fxflops.analysis.terms import Term, Unsupported
+from fxflops.backward import BackwardBill, bill_backward, output_nodes
 from fxflops.binder import Binder
 from fxflops.capture.outputs import backward_roots, output_tensors
 from fxflops.capture.isolation import isolated_call
@@ -203,6 +204,11 @@ class Work:
 
     def __bool__(self) -> bool:
         return bool(self.dense or self.unsupported)
+
+    def clear(self) -> None:
+        self.dense.clear()
+        self.exact.clear()
+        self.unsupported.clear()
 
 
 def _untraced(code: types.CodeType) -> bool:
@@ -556,16 +562,33 @@ class MeasuredCall:
         for child in self.children:
             roots = _roots(child, reached.get(id(child), set())) if training else None
             program, values = child.found if roots is None else child.counter._program_for(*child.snapshot, roots)
-            parts.append((program, child.counter._monomials(program, values), child.path))
+            parts.append((program, child.counter._monomials(program, values), child, roots))
         columns = self.spine.columns
         program, monomials = columns.monomials(self.work, self.model, self.spine, self.owner._backward)
         meter = self.owner.flops
-        meter.add(program, monomials, training, phase=phase)
-        for child_program, child_monomials, path in parts:
-            meter.add(child_program, child_monomials, training, prefix=path, phase=phase, call=False)
+        meter.add(program, monomials, training, phase=phase)  # its own backward: measured as it runs (_measure_backward)
+        for child_program, child_monomials, child, roots in parts:
+            self._add_child(child_program, child_monomials, child, roots, training)
         if training and self.owner._backward == "traced":
+            graphed = _GraphRecorded(self.owner)
             for node in self.own_nodes:
-                _measure_backward(node, self, self.seen.get(node._sequence_nr(), max(self.spine.paths, key=len)))
+                module = self.seen.get(node._sequence_nr(), max(self.spine.paths, key=len))
+                _measure_backward(node, self.owner, self.spine, self.model, module, graphed)
+        self.children, self.own_nodes = [], []  # nothing of the call's autograd graph stays held
+
+    def _add_child(self, program: Program, monomials: tuple, child: _ChildCall, roots: tuple[int, ...] | None, training: bool) -> None:
+        """A symbolic child's count: its forward now, its backward (training) when a backward pass runs
+        it (``fxflops/backward.py``: each pass, none for a pass through part of it, said), or with
+        the forward where its outputs' nodes cannot be seen (a leaf returned as it is)."""
+        meter = self.owner.flops
+        reached = [child.outputs[i] for i in (sorted(child.defaults) if roots is None else roots)]
+        nodes, root_nodes = output_nodes(child.outputs), output_nodes(reached)
+        if not training or self.owner._backward != "traced" or not nodes or not root_nodes:
+            meter.add(program, monomials, training, prefix=child.path, call=False)
+            return
+        meter.add(program, monomials, False, prefix=child.path, call=False)
+        warn = self.owner._warn_once
+        bill_backward(BackwardBill(meter, program, monomials, child.path, len(root_nodes), warn), nodes, root_nodes)
 
     def _reached(self, out: Any) -> dict[int, set[int]]:
         """Which output leaves of each child the backward from the loss (or every floating output)
@@ -642,11 +665,34 @@ def _joined(prefix: str, path: str) -> str:
     return ".".join(p for p in (prefix, path) if p)
 
 
-def _measure_backward(node: Any, call: MeasuredCall, module: str) -> None:
-    """Measure ``node``'s backward ops when the backward runs it (pushed in its pre-hook, popped in its
-    post-hook, in the thread that runs it), and add them to the meter as the call's backward."""
+class _GraphRecorded:
+    """Whether a backward with ``create_graph=True`` ran a measured call's own nodes: it records the
+    gradients' own graph, which a later pass may differentiate (a gradient penalty) with work no
+    hook sees; that pass and every later one are not counted (said once per pass)."""
+
+    def __init__(self, owner: Instrumented) -> None:
+        self.owner, self.seen, self.refused = owner, False, set()
+
+    def refuses(self) -> bool:
+        self.seen = self.seen or torch.is_grad_enabled()
+        task = torch._C._current_graph_task_id()
+        if self.seen and task not in self.refused:
+            self.refused.add(task)
+            self.owner.flops.not_counted()
+            self.owner._warn_once(
+                "a backward with create_graph=True records the gradients' own graph: a backward through it (a gradient "
+                "penalty, a double backward) runs work the traced backward does not have"
+            )
+        return self.seen
+
+
+def _measure_backward(node: Any, owner: Instrumented, spine: Spine, model: torch.nn.Module, module: str, graphed: _GraphRecorded) -> None:
+    """Measure ``node``'s backward ops each time a backward runs it (pushed in its pre-hook, popped in
+    its post-hook, in the thread that runs it), and add them to the meter as the call's backward
+    (unless ``graphed`` refuses the pass). The hooks hold no autograd node (``fxflops/backward.py``:
+    a cycle through autograd's edges)."""
     work = Work()
-    mode = OwnOps(work, lambda: module, "bwd", call.owner._rules, call.spine.prices)
+    mode = OwnOps(work, lambda: module, "bwd", owner._rules, spine.prices)
 
     def before(grad_outputs: Any) -> None:
         _push_mode(mode)  # the engine restores the thread's modes after each node, also when it raises
@@ -656,12 +702,16 @@ def _measure_backward(node: Any, call: MeasuredCall, module: str) -> None:
         if not work:
             return
         try:
+            if graphed.refuses():
+                return
             if mode.error is not None:
                 raise FxFlopsError(mode.error)
-            program, monomials = call.spine.columns.monomials(work, call.model, call.spine, call.owner._backward)
-            call.owner.flops.add(program, monomials, True, call=False)
+            program, monomials = spine.columns.monomials(work, model, spine, owner._backward)
+            owner.flops.add(program, monomials, True, call=False)
         except Exception as exc:  # noqa: BLE001 - a backward is never broken by telemetry
-            call.owner._warn_once(f"the measured backward of {module or '<root>'} is not counted: {exc}")
+            owner._warn_once(f"the measured backward of {module or '<root>'} is not counted: {exc}")
+        finally:
+            work.clear()  # each run of the node is measured on its own (a retained graph's next pass)
 
     node.register_prehook(before)
     node.register_hook(after)

@@ -25,7 +25,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from fxflops.analysis.counted import checked_phase
 from fxflops.analysis.paths import ancestors, depth as path_depth, join
+from fxflops.conventions import as_convention
 from fxflops.errors import warn
 from fxflops.guards import OUTSIDE_KEY
 from fxflops.situation import STRUCTURE
@@ -62,7 +64,11 @@ class Meter:
         self._lock = threading.Lock()
 
     def __getstate__(self) -> dict:
-        state = dict(self.__dict__)
+        with self._lock:  # the calls not yet folded are part of the copy
+            for key in self._pending:
+                self._fold(key)
+            state = dict(self.__dict__)
+            state["_sums"] = {key: (program, list(acc), kind, prefix) for key, (program, acc, kind, prefix) in self._sums.items()}
         state.pop("_lock", None)
         return state
 
@@ -114,10 +120,21 @@ class Meter:
 
     def _on_host(self) -> list[tuple[Program, list[int], str, str]]:
         """Each accumulator as Python ints (one device-to-host copy per device)."""
+        return self._snapshot().hosted
+
+    def _snapshot(self, take: bool = False) -> _Snapshot:
+        """The accumulators and counters at one instant (under the lock: a call adding meanwhile is
+        in it whole or not at all); with ``take``, the meter starts over at that instant, so each
+        call lands in exactly one report while other threads keep counting."""
         with self._lock:
             for key in self._pending:
                 self._fold(key)
-        return [(program, _to_host(acc), kind, prefix) for program, acc, kind, prefix in self._sums.values()]
+            entries = [(program, list(acc), kind, prefix) for program, acc, kind, prefix in self._sums.values()]
+            snapshot = _Snapshot([], self.calls, self.uncounted, self.steps, self.generated_tokens, self._started)
+            if take:
+                self._clear()
+        snapshot.hosted = [(program, _to_host(acc), kind, prefix) for program, acc, kind, prefix in entries]
+        return snapshot
 
     @staticmethod
     def _phase(phase: str | None, kind: str) -> str | tuple[str, ...] | None:
@@ -128,9 +145,10 @@ class Meter:
             return tuple(p for p in ("bwd", "recompute") if phase in (None, p))
         return ("fwd",) if phase in (None, kind) else ()
 
-    def total(self, phase: str | None = None, convention: Convention | None = None, _hosted: list | None = None) -> int:
+    def total(self, phase: str | None = None, convention: Convention | str | None = None, _hosted: list | None = None) -> int:
         """FLOPs of every counted call since the last reset (all phases unless ``phase``), under
-        ``convention`` (default: each program's own)."""
+        ``convention`` (default: each program's own; a preset by name too)."""
+        checked_phase(phase, PHASES)
         return sum(
             program.evaluate(acc, "", self._phase(phase, kind), convention)
             for program, acc, kind, _ in (_hosted if _hosted is not None else self._on_host())
@@ -152,6 +170,7 @@ class Meter:
         _hosted: list | None = None,
     ) -> dict[str, int]:
         """Inclusive FLOPs per module path accumulated since the last reset."""
+        checked_phase(phase, PHASES)
         out: dict[str, int] = {}
         for program, acc, kind, prefix in _hosted if _hosted is not None else self._on_host():
             phases = self._phase(phase, kind)
@@ -166,12 +185,11 @@ class Meter:
     def reset(self) -> None:
         """Forget every accumulated call and step; restart the report timer."""
         with self._lock:
-            self._sums.clear()
-            self._pending.clear()
-        self.calls = 0
-        self.uncounted = 0
-        self.steps = 0
-        self.generated_tokens = 0
+            self._clear()
+
+    def _clear(self) -> None:  # under the lock
+        self._sums, self._pending = {}, {}
+        self.calls = self.uncounted = self.steps = self.generated_tokens = 0
         self._started = time.perf_counter()
 
     def exclude_time(self, seconds: float) -> None:
@@ -182,8 +200,14 @@ class Meter:
         """Close an optimizer step (after its microbatches): reports average over steps. The
         structure of every instrumented model is checked again on its next call (what torch's
         registration hooks do not see: ``param.data = ...``, a hook added; ``fxflops/situation.py``)."""
-        self.steps += 1
+        with self._lock:
+            self.steps += 1
         STRUCTURE.bump()
+
+    def add_generated_tokens(self, count: int) -> None:
+        """Tokens a ``generate`` call produced."""
+        with self._lock:
+            self.generated_tokens += count
 
     def symbol_total(self, name: str, _hosted: list | None = None) -> int | None:
         """Sum over the counted calls of one symbol's value (e.g. ``"tokens"``): 0 when nothing was
@@ -195,17 +219,20 @@ class Meter:
             return None
         return sum(acc[column] for acc, column in columns if column is not None)
 
-    def symbol_names(self) -> list[str]:
+    def symbol_names(self, _programs: list[Program] | None = None) -> list[str]:
         """The symbols of the programs that counted calls (the names ``report(tokens=...)`` takes)."""
-        return sorted({str(m) for program, *_ in self._sums.values() for m in program.layout.monomials if m.is_Symbol})
+        programs = [program for program, *_ in self._sums.values()] if _programs is None else _programs
+        return sorted({str(m) for program in programs for m in program.layout.monomials if m.is_Symbol})
 
     def totals(
-        self, depth: int | None = 1, convention: Convention | None = None, counters: dict[str, str | None] | None = None
+        self, depth: int | None = 1, convention: Convention | None = None, counters: dict[str, str | None] | None = None,
+        _snapshot: _Snapshot | None = None,
     ) -> dict[str, Any]:
         """Everything a report needs, as exact Python ints (the payload of :meth:`all_reduce`):
         device accumulators are copied to the host once. ``counters`` maps a name (``tokens``) to the
         symbol whose sum it is."""
-        hosted = self._on_host()
+        snapshot = _snapshot or self._snapshot()
+        hosted = snapshot.hosted
         useful = [self.breakdown(depth, phase, convention, hosted) for phase in PHASES if phase != "recompute"]
         sums = {name: self.symbol_total(symbol, hosted) for name, symbol in (counters or {}).items() if symbol}
         sums = {name: total for name, total in sums.items() if total is not None}  # no such symbol: unknown, not 0
@@ -218,11 +245,11 @@ class Meter:
         return sums | {
             "phases": {ph: self.total(ph, convention, hosted) for ph in PHASES},
             "modules": {path: sum(by_path.get(path, 0) for by_path in useful) for path in set().union(*useful)},
-            "generated_tokens": self.generated_tokens,
-            "calls": self.calls - sum(malformed.values()),
-            "uncounted": self.uncounted + sum(malformed.values()),
+            "generated_tokens": snapshot.generated_tokens,
+            "calls": snapshot.calls - sum(malformed.values()),
+            "uncounted": snapshot.uncounted + sum(malformed.values()),
             "malformed": malformed,
-            "steps": self.steps,
+            "steps": snapshot.steps,
         }
 
     def all_reduce(self, totals: dict[str, Any], group: Any = None) -> dict[str, Any]:
@@ -281,13 +308,16 @@ class Meter:
         from fxflops.conventions import FLOPCOUNTER
         from fxflops.peaks import lookup_peak
 
-        elapsed = time.perf_counter() - self._started if elapsed_s is None else elapsed_s
-        named = convention or next((p.convention for p, *_ in self._sums.values()), FLOPCOUNTER)
-        totals = self.totals(depth, convention, {"tokens": tokens, "images": images})
+        convention = as_convention(convention)
+        snapshot = self._snapshot(take=reset)  # what the report covers; with reset, the meter starts over here
+        elapsed = time.perf_counter() - snapshot.started if elapsed_s is None else elapsed_s
+        programs = [program for program, *_ in snapshot.hosted]
+        named = convention or next((p.convention for p in programs), FLOPCOUNTER)
+        totals = self.totals(depth, convention, {"tokens": tokens, "images": images}, snapshot)
         for counter, symbol in (("tokens", tokens), ("images", images)):
-            if symbol and counter not in totals and self.calls:
+            if symbol and counter not in totals and snapshot.calls:
                 warn(f"fxflops: report({counter}={symbol!r}): no program has a symbol of that name, so {counter} per second "
-                     f"are unknown; the programs' symbols: {', '.join(self.symbol_names()) or 'none'}", stacklevel=2)
+                     f"are unknown; the programs' symbols: {', '.join(self.symbol_names(programs)) or 'none'}", stacklevel=2)
         several = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
         distributed = all_ranks and (group is not None or several)
         world_size = dist.get_world_size(group) if distributed else 1
@@ -315,14 +345,12 @@ class Meter:
             uncounted=totals["uncounted"],
             generated_tokens=totals["generated_tokens"],
             malformed=totals["malformed"],
-            unsupported=sorted({u.op for p, *_ in self._sums.values() for u in p.unsupported}),
-            measured=self.measured(),
+            unsupported=sorted({u.op for p in programs for u in p.unsupported}),
+            measured=_measured(programs),
             rank=dist.get_rank() if alone else None,
         )
         if report.malformed:
             warn(f"fxflops: {report.malformed_text()}", stacklevel=2)
-        if reset:
-            self.reset()
         return report
 
     def table(self, depth: int | None = None, convention: Convention | None = None) -> str:
@@ -330,6 +358,7 @@ class Meter:
         from fxflops.conventions import FLOPCOUNTER
         from fxflops.report import meter_table
 
+        convention = as_convention(convention)
         named = convention or next((p.convention for p, *_ in self._sums.values()), FLOPCOUNTER)
         measured = "".join(f"\nmeasured per call: {path or '<root>'}'s own code ({why.splitlines()[0][:160]})" for path, why in self.measured().items())
         return f"convention {named.describe()}{measured}\n" + meter_table(self.breakdown(depth, convention=convention))
@@ -337,10 +366,26 @@ class Meter:
     def measured(self) -> dict[str, str]:
         """Modules whose own code was measured per call in the counted calls (``fxflops/islands.py``),
         and why (the refusal of their symbolic capture, with its line)."""
-        found: dict[str, str] = {}
-        for program, *_ in list(self._sums.values()):
-            found.update(program.measured)
-        return found
+        return _measured([program for program, *_ in list(self._sums.values())])
+
+
+def _measured(programs: list[Program]) -> dict[str, str]:
+    found: dict[str, str] = {}
+    for program in programs:
+        found.update(program.measured)
+    return found
+
+
+@dataclass
+class _Snapshot:
+    """A meter's accumulators on the host and its counters, at one instant."""
+
+    hosted: list[tuple[Program, list[int], str, str]]
+    calls: int
+    uncounted: int
+    steps: int
+    generated_tokens: int
+    started: float
 
 
 @dataclass

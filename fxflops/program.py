@@ -6,8 +6,7 @@ terms roll up into the module tree of ``model.named_modules()``; a module called
 Evaluation uses a monomial basis (:class:`Basis`): every module/phase total is a linear combination
 ``C · m(x)`` of a few monomials ``m(x)`` (``seq``, ``seq**2``, ``batch*seq``, ...). A call evaluates
 ``m(x)`` once (cost independent of the number of modules) and any breakdown is a dot product at read
-time. Coefficients are scaled by their common denominator so that everything stays in exact Python
-integers.
+time. Coefficients are scaled by their common denominator: everything stays in exact Python integers.
 """
 
 from __future__ import annotations
@@ -22,7 +21,7 @@ import sympy
 import torch
 
 from fxflops.analysis import Analysis, analyze
-from fxflops.analysis.counted import PHASES, convention_terms
+from fxflops.analysis.counted import PHASES, checked_phase, convention_terms
 from fxflops.analysis.paths import ancestors, depth as path_depth
 from fxflops.analysis.segments import derived_family
 from fxflops.analysis.terms import Term, Unsupported
@@ -30,7 +29,7 @@ from fxflops.binder import VALID, Binder, generated, python_source
 from fxflops.call_keys import CallKeys
 from fxflops.capture.derived import CountedSize, DerivedSize, RowSum, refuse_every_op_count
 from fxflops.capture.inputs import path_label
-from fxflops.conventions import FLOPCOUNTER, Convention
+from fxflops.conventions import FLOPCOUNTER, Convention, as_convention
 from fxflops.errors import GuardError, InputError, MetadataError, UnboundSymbolError
 from fxflops.guards import OUTSIDE, OUTSIDE_KEY, checks as guard_checks
 from fxflops.situation import ModelState, describe_difference
@@ -306,11 +305,11 @@ class Program:
         monomial_sums: tuple[int, ...] | list[int],
         module: str = "",
         phase: str | tuple[str, ...] | None = None,
-        convention: Convention | None = None,
+        convention: Convention | str | None = None,
     ) -> int:
         """``C[module, phase] · m`` for accumulated monomials ``m`` (all phases when ``phase`` is None;
-        a tuple sums several) under ``convention`` (default: the program's)."""
-        convention = convention or self.convention
+        a tuple sums several) under ``convention`` (default: the program's; a preset by name too)."""
+        convention = as_convention(convention) or self.convention
         if convention.moe == "actual" and self.experts:
             calls, measured = self.layout.calls(monomial_sums)
             if measured != calls:
@@ -335,26 +334,27 @@ class Program:
         found[OUTSIDE_KEY] = _exact_int(monomial_sums[column[OUTSIDE]]) if OUTSIDE in column else 0
         return {name: n for name, n in found.items() if n}
 
-    def total(self, phase: str | None = None, convention: Convention | None = None, **values: int) -> int:
+    def total(self, phase: str | None = None, convention: Convention | str | None = None, **values: int) -> int:
         """Total FLOPs at these symbol values, e.g. ``program.total(seq=2048)``."""
-        return self.evaluate(self.monomials(*self.values_of(convention, **values)), "", phase, convention)
+        return self.evaluate(self.monomials(*self.values_of(as_convention(convention), **values)), "", checked_phase(phase), convention)
 
     def breakdown(
-        self, depth: int | None = None, phase: str | None = None, convention: Convention | None = None, **values: int
+        self, depth: int | None = None, phase: str | None = None, convention: Convention | str | None = None, **values: int
     ) -> dict[str, int]:
         """Inclusive FLOPs of every module (``depth``: only paths at most that deep; root depth 0)."""
-        m = self.monomials(*self.values_of(convention, **values))
-        return {path: self.evaluate(m, path, phase, convention) for path in self.modules(depth)}
+        m = self.monomials(*self.values_of(as_convention(convention), **values))
+        return {path: self.evaluate(m, path, checked_phase(phase), convention) for path in self.modules(depth)}
 
     def modules(self, depth: int | None = None) -> list[str]:
         """Module paths in tree order (pre-order from the root), optionally cut at ``depth``."""
         order = list(nx.dfs_preorder_nodes(self.tree, ""))
         return [p for p in order if depth is None or path_depth(p) <= depth]
 
-    def formula(self, path: str = "", phase: str | None = None, convention: Convention | None = None) -> sympy.Expr:
+    def formula(self, path: str = "", phase: str | None = None, convention: Convention | str | None = None) -> sympy.Expr:
         """Closed form of a module's inclusive FLOPs in the named symbols under ``convention``."""
-        formulas = self._formulas(convention or self.convention)
-        phases = PHASES if phase is None else (phase,)
+        if path not in self.tree:  # a misspelt path would read as a module without FLOPs: refused
+            raise ValueError(f"no module {path!r} in the program; its top modules: {self.modules(1)}")
+        formulas, phases = self._formulas(as_convention(convention) or self.convention), PHASES if checked_phase(phase) is None else (phase,)
         return sympy.expand(sum((formulas.get((path, ph), 0) for ph in phases), sympy.Integer(0)))
 
     def values(self, *args: Any, **kwargs: Any) -> tuple[int, ...]:

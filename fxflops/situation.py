@@ -53,13 +53,14 @@ from typing import Any
 
 import torch
 import torch.nn.utils.stateless
+import torch.nn.utils.parametrize as _parametrize
 import torch.utils.checkpoint as _checkpoint
 from torch.nn.modules import module as nn_module
 from torch.utils.hooks import RemovableHandle
 
 from fxflops.analysis.paths import inside, moved
 from fxflops.call_keys import ALIASED, SCALARS, described_layout, value_key
-from fxflops.capture.reads import HOOK_DICTS, Reads, attribute, hook_at, hook_objects, library_module, module_at, named_modules
+from fxflops.capture.reads import HELD_DEPTH, HOOK_DICTS, Reads, attribute, hook_at, hook_objects, library_module, module_at, named_modules
 from fxflops.errors import InputError
 from fxflops.situation_code import (
     MAX_COMPARED, METHODS, TORCH_BASES, CodeRead, SamePartial, ThroughClass, attributes_read_beyond_updates, code_reads,
@@ -90,9 +91,11 @@ _deterministic = torch._C._get_deterministic_algorithms
 
 def mode_key() -> tuple:
     """Grad, inference and autocast modes, SDPA backends, MHA fast path, default dtype,
-    deterministic algorithms (model code may pick another implementation under them) and
+    deterministic algorithms (model code may pick another implementation under them),
     checkpointing's early stop as ``set_checkpoint_early_stop`` sets it (a non-reentrant
-    checkpoint's recompute runs to the end of its region without it)."""
+    checkpoint's recompute runs to the end of its region without it) and parametrizations'
+    cache (``torch.nn.utils.parametrize.cached()``: a parametrized weight computed once per
+    context, its later reads free)."""
     flash, efficient, math_, cudnn = _sdpa
     return (
         _grad(),
@@ -106,6 +109,7 @@ def mode_key() -> tuple:
         _default_dtype(),
         _deterministic(),
         _checkpoint._enable_checkpoint_early_stop,
+        _parametrize._cache_enabled > 0,
     )
 
 
@@ -706,9 +710,6 @@ def _guards_from(
                 label = f"{path or '<root>'}.{where}.{name}"  # a list or dict it reads: a log it fills, by identity
                 _attribute_guards(guards, hook, name, label, path, where, reads, constants, filled | read, HELD_DEPTH - 1)
     return list(guards.values())
-
-
-HELD_DEPTH = 3  # objects inside objects (a config's sub-config) whose attributes the trace read are guarded
 
 
 def _held_reads(model: torch.nn.Module, reads: Reads) -> dict[str, set[str]]:

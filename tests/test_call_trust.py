@@ -267,9 +267,11 @@ class Held(nn.Module):
         self.scale = functools.partial(_repeat_rows, times=1)  # its keyword decides the rows
         self.reps = torch.tensor(1)  # a plain tensor attribute whose value is a loop count
         self.deep = _Level(_Level(_Level(1)))  # config.sub.sub.n: three objects deep
+        self.hydra = _Level(_Level(_Level(_Level(_Level(_Level(0))))))  # cfg.model.attn.sub...: six objects deep
 
     def forward(self, x):
-        for _ in range(self.namespace.n + int(self.reps) + self.deep.inner.inner.inner - 2):
+        six = self.hydra.inner.inner.inner.inner.inner.inner
+        for _ in range(self.namespace.n + int(self.reps) + self.deep.inner.inner.inner + six - 2):
             x = self.fc(self.scale(x))
         return x
 
@@ -294,6 +296,7 @@ def test_held_objects_by_contents_and_tensors_read_by_value(backward):
         ("a tensor's value in place", lambda: model.reps.fill_(2)),
         ("a tensor replaced", lambda: setattr(model, "reps", torch.tensor(1))),
         ("three objects deep", lambda: setattr(model.deep.inner.inner, "inner", 2)),
+        ("six objects deep (a hydra-style config)", lambda: setattr(model.hydra.inner.inner.inner.inner.inner, "inner", 1)),
     ]
     for label, change in changes:
         change()

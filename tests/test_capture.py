@@ -805,3 +805,43 @@ def test_a_data_dependent_line_is_refused_naming_its_module(where):
     with pytest.raises(fxflops.CaptureError) as caught:
         fxflops.trace(model, (torch.randn(3, 8),), dims={"x": {0: "b"}})
     assert f"in module {where or '<root>'!r} at " in str(caught.value) and "(x > 0).any()" in str(caught.value)
+
+
+class _Warns:
+    """An object whose every attribute read warns (torch's deprecated ``torch.distributed.reduce_op``)."""
+
+    __module__ = "torch.distributed.distributed_c10d"
+
+    def __getattribute__(self, name):
+        warnings.warn("deprecated", FutureWarning, stacklevel=2)
+        return object.__getattribute__(self, name)
+
+
+class _EngineState:
+    """A distributed engine's per-module state whose hook reaches ``_Warns`` (FSDP2's reaches
+    ``reduce_op``); its class is torch.distributed's, as FSDP2's ``FSDPState`` is."""
+
+    __module__ = "torch.distributed.fsdp._fully_shard._fsdp_state"
+
+    def __init__(self) -> None:
+        self.reduce = _Warns()
+
+    def pre_forward(self, module, args):
+        return None
+
+
+def _sharded() -> nn.Module:
+    layer = nn.Linear(8, 8)
+    layer.register_forward_pre_hook(_EngineState().pre_forward)
+    return layer
+
+
+def test_identical_layers_holding_an_object_that_warns_on_reads_trace_under_warnings_as_errors():
+    """Comparing repeated layers never reads an object whose class runs code on attribute reads
+    (compared by identity): under ``-W error`` (pytest's ``filterwarnings = error``) FSDP2-sharded
+    layers were refused, every call uncounted, torch's deprecation warning raised from the walk."""
+    model = nn.Sequential(_sharded(), _sharded())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        program = fxflops.trace(model, (torch.randn(3, 8),), dims={"input": {0: "rows"}})
+    assert program.total(rows=5) == reference_counts(model, torch.randn(5, 8))[""] == 2 * 2 * 5 * 8 * 8

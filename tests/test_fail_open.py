@@ -327,3 +327,47 @@ def test_a_call_inside_a_torch_func_transform_or_forward_ad_is_not_counted_and_s
         got = calls[transform](wrapper)
     assert torch.allclose(got, calls[transform](model))
     assert wrapper.flops.calls == 0 and wrapper.flops.uncounted == 1 and wrapper.flops.total() == 0
+
+
+class _MadeOnFirstCall(nn.Module):
+    """A lazy layer: its weight is made, and its class becomes ``nn.Linear``, on its first call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.out = nn.LazyLinear(8), nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.out(self.fc(x))
+
+
+@pytest.mark.parametrize("backward", [False, True])
+def test_a_lazy_module_is_measured_on_its_first_call_then_captured(backward):
+    """A model instrumented before its lazy parameters exist: its first call is measured (exact),
+    the later ones counted by a program captured once they exist (was: every call uncounted, the
+    first failed capture refusing the later calls)."""
+    model = _MadeOnFirstCall()
+    wrapper = fxflops.instrument(model, backward=backward)
+    for batch in (4, 2, 3, 5):
+        assert_counted_call(wrapper, model, (torch.randn(batch, 8),), backward, batch)
+    assert len(wrapper.programs) == 1 and wrapper.captures == 1
+
+
+class _Normalized(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.norm, self.fc = nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.Linear(8, 5)
+
+    def forward(self, x):
+        return self.fc(torch.relu(self.norm(self.conv(x))).mean((2, 3)))
+
+
+@pytest.mark.parametrize("first", [0, 4])
+def test_a_size_whose_capture_fails_outside_any_module_is_measured_at_that_size(first):
+    """An empty batch in a training BatchNorm (torch's own check refuses a symbolic batch there, in
+    no module's code fxflops can name): that call is measured (exact), and only calls of its size
+    class; other sizes keep their captured program (was: the call not counted)."""
+    model = _Normalized()
+    wrapper = fxflops.instrument(model, backward=True)
+    for batch in (first, 4 - first, 0, 3):
+        assert_counted_call(wrapper, model, (torch.randn(batch, 3, 6, 6),), True, batch)
+    assert wrapper.captures == 1 and len(wrapper.measured) == 1

@@ -178,3 +178,16 @@ def test_guards_on_derived_sizes_are_split_into_host_and_device_checks():
     assert [g.location for g in deferred] == ["minimum", "slice"]
     host, deferred = split(guards, {r: 0})
     assert [g.location for g in host] == ["view", "pinned", "shapes"] and host[0].expr.free_symbols & {r}
+
+
+def test_a_guard_that_divides_by_a_size_is_kept_not_an_error():
+    """A guard with a size as a divisor (Mllama's cross-attention ``view(bsz, -1, ...)``:
+    ``(4*a*((b//8)*(c//8) + 1))//d >= 0``) cannot be proven at d = 0: it is kept as a guard (was:
+    ZeroDivisionError from torch's ``FloorDiv``, or sympy's comparison of ``zoo``, refusing every
+    call as an internal error)."""
+    from fxflops.capture.symbols import always_true
+
+    a, b, c, d = (sympy.Symbol(n, integer=True, nonnegative=True) for n in "abcd")
+    sizes, names = {a, b, c, d}, dict(a=a, b=b, c=c, d=d)
+    assert always_true(sympy.sympify("((4*a*((b//8)*(c//8) + 1))//d) >= 0", locals=names), sizes) is False
+    assert always_true(sympy.sympify("(4*a*((b//8)*(c//8) + 1)) >= 0", locals=names), sizes) is True

@@ -358,3 +358,55 @@ def test_training_counts_equal_flop_counter(family, monkeypatch):
     assert "text only" in seen and seen - {"text only"}
     assert wrapper.captures <= len(seen), (wrapper.captures, seen)
     check_program(family, wrapper)
+
+
+def build_mllama() -> torch.nn.Module:
+    """Mllama (Llama 3.2 Vision): a tiled vision tower (32px tiles, patch 8, up to 4 tiles) whose
+    states a cross-attention text layer (layer 1 of 3) reads."""
+    import transformers
+
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_global_layers=1, attention_heads=4,
+                  image_size=32, patch_size=8, max_num_tiles=4, vision_output_dim=64, intermediate_layers_indices=[0],
+                  supported_aspect_ratios=[[1, 1], [1, 2], [2, 1], [2, 2]])
+    text = dict(TEXT, num_hidden_layers=3, cross_attention_layers=[1], max_position_embeddings=512,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    config = transformers.MllamaConfig(vision_config=vision, text_config=text, image_token_index=IMAGE)
+    return eager(transformers.MllamaForConditionalGeneration, config)
+
+
+def mllama_batch(sequences: int, tiles: int, images: bool = True) -> dict:
+    """``sequences`` sequences of <image> and 6 words, one image of ``tiles`` tiles each."""
+    ids = torch.tensor([[IMAGE] + list(range(60, 66))] * sequences)
+    call = dict(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids)
+    if images:
+        ratio = {1: 1, 2: 2, 4: 4}[tiles]  # the index of (1, 1), (1, 2) or (2, 2) in supported_aspect_ratios
+        call |= dict(
+            pixel_values=torch.randn(sequences, 1, 4, 3, 32, 32), aspect_ratio_ids=torch.tensor([[ratio]] * sequences),
+            aspect_ratio_mask=torch.tensor([[[1] * tiles + [0] * (4 - tiles)]] * sequences),
+            cross_attention_mask=torch.tensor([[[[1] * tiles + [0] * (4 - tiles)]] * ids.shape[1]] * sequences),
+        )
+    return call
+
+
+@pytest.mark.long
+def test_mllama_image_calls_in_every_sequence_count_exactly():
+    """Mllama calls whose every sequence holds an image, forward and training, then text only: equal
+    to FlopCounterMode (was: every such call refused, "internal error ZeroDivisionError": a guard
+    whose divisor is a size, from its cross-attention ``view(bsz, -1, ...)``, could not be pruned)."""
+    pytest.importorskip("transformers")
+    model = build_mllama()
+    wrapper = fxflops.instrument(model, backward=True, strict=True)
+    for label, batch, training in [
+        ("2 x 1 image, 1 tile", mllama_batch(2, 1), False), ("2 x 1 image, 2 tiles", mllama_batch(2, 2), True),
+        ("1 x 1 image, 4 tiles", mllama_batch(1, 4), True), ("text only", mllama_batch(2, 1, images=False), True),
+    ]:
+        expected = flop_counter_modules(model, batch, backward=training)[""]
+        wrapper.flops.reset()
+        model.zero_grad(set_to_none=True)
+        if training:
+            wrapper(**batch).loss.backward()
+        else:
+            with torch.no_grad():
+                wrapper(**{k: v for k, v in batch.items() if k != "labels"})
+            expected = flop_counter_modules(model, {k: v for k, v in batch.items() if k != "labels"}, backward=False)[""]
+        assert wrapper.flops.uncounted == 0 and wrapper.flops.total() == expected > 0, label

@@ -152,3 +152,97 @@ def test_interleaved_virtual_pipeline_counts_every_layer_once():
     per_row = 8 * 3 * 2 * (16 * 48 + 48 * 16)
     whole_model = per_row * (3 + 5 + 4 + 6)
     assert results[0] == results[1] == whole_model
+
+
+def test_a_meter_copied_mid_run_holds_every_call():
+    """``pickle`` and ``copy.deepcopy`` of a meter (or of its wrapper) between reads keep the calls
+    not yet folded into its sums (was: up to 255 calls per program lost: 512 vs 2560 FLOPs after 5
+    calls, ``calls`` still 5)."""
+    import copy
+    import pickle
+
+    wrapper = fxflops.instrument(nn.Linear(8, 8))
+    with torch.no_grad():
+        for _ in range(5):
+            wrapper(torch.randn(4, 8))
+    expected = 5 * 2 * 4 * 8 * 8
+    for copied in (pickle.loads(pickle.dumps(wrapper.flops)), copy.deepcopy(wrapper.flops), copy.deepcopy(wrapper).flops):
+        assert copied.calls == 5 and copied.total() == expected
+    assert wrapper.flops.total() == expected
+
+
+def test_reports_taken_in_another_thread_while_calls_run_hold_each_call_once():
+    """``report()`` in a logging thread while the training thread counts: every call lands in
+    exactly one report, FLOPs and calls agreeing, and no report raises (was: 31 % of the calls lost
+    between a report's reading and its reset; "dictionary changed size during iteration")."""
+    import threading
+
+    wrapper = fxflops.instrument(nn.Linear(8, 8))
+    x, calls, reports, errors = torch.randn(4, 8), 600, [], []
+    with torch.no_grad():
+        wrapper(x)
+    wrapper.flops.reset()
+    done = threading.Event()
+
+    def log() -> None:
+        while not done.is_set():
+            try:
+                reports.append(wrapper.flops.report(elapsed_s=1.0, all_ranks=False))
+            except Exception as exc:  # noqa: BLE001 - what the test looks for
+                errors.append(exc)
+
+    logger = threading.Thread(target=log)
+    logger.start()
+    with torch.no_grad():
+        for _ in range(calls):
+            wrapper(x)
+    done.set()
+    logger.join(60)
+    reports.append(wrapper.flops.report(elapsed_s=1.0, all_ranks=False))
+    assert not errors
+    assert sum(r.calls for r in reports) == calls
+    assert sum(sum(r.flops.values()) for r in reports) == calls * 2 * 4 * 8 * 8
+
+
+def test_metadata_on_the_meta_device_is_not_counted_and_leaves_the_meter_readable():
+    """Segment offsets on the ``meta`` device (no values: the plain model may still run) make that
+    call uncounted, said; the meter's other calls stay readable (was: every later ``total()`` and
+    ``report()`` raised "Cannot copy out of meta tensor")."""
+    import random
+    import warnings
+
+    from fxflops.models.tiny_vlm import TinyVLM, VLMConfig, random_batch
+
+    torch.manual_seed(0)
+    model = TinyVLM()
+    ids, offsets, pixels, grid = random_batch(VLMConfig(), random.Random(0)).inputs()
+    wrapper = fxflops.instrument(
+        model, dims={"input_ids": {1: "tokens"}, "pixel_values": {0: "patches"}},
+        segments={"cu_seqlens": "text", "image_grid_thw": "frames"},
+    )
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        wrapper(ids, offsets, pixels, grid)
+        one = wrapper.flops.total()
+        wrapper(ids, offsets.to("meta"), pixels, grid)
+        wrapper(ids, offsets, pixels, grid)
+    assert wrapper.flops.uncounted == 1 and wrapper.flops.total() == 2 * one
+    assert wrapper.flops.report(all_ranks=False).calls == 2
+
+
+def test_a_misspelt_phase_convention_or_module_is_an_error_not_zero():
+    """A phase, convention or module path no program has raises ValueError naming the valid ones
+    (was: 0 FLOPs, read as a fact; a convention name raised AttributeError inside ``report``)."""
+    wrapper = fxflops.instrument(nn.Linear(8, 8))
+    with torch.no_grad():
+        wrapper(torch.randn(4, 8))
+    flops = 2 * 4 * 8 * 8
+    assert wrapper.flops.total(phase="fwd") == wrapper.flops.total(convention="megatron") == flops
+    assert wrapper.flops.report(convention="megatron", all_ranks=False, reset=False).flops["fwd"] == flops
+    for call in (
+        lambda: wrapper.flops.total(phase="backward"), lambda: wrapper.flops.breakdown(phase="Fwd"),
+        lambda: wrapper.program.total(phase="bwdd", input_0=4), lambda: wrapper.flops.total(convention="megatronn"),
+        lambda: wrapper.program.formula("nope"), lambda: fxflops.verify(wrapper.program, lambda input_0: 0, module="nope"),
+    ):
+        with pytest.raises(ValueError):
+            call()

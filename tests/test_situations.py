@@ -253,3 +253,43 @@ def test_changes_no_registration_hook_sees_are_caught_at_the_next_step():
         wrapper.flops.step()
         assert _counted(wrapper, (x,), {}, False) == flop_counter_call(model, (x,), {}, backward=False)
     assert wrapper.captures == 3
+
+
+class _Cubed(nn.Module):
+    def forward(self, weight):
+        return weight @ weight.T @ weight
+
+
+def _parametrized() -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    nn.utils.parametrize.register_parametrization(model[0], "weight", _Cubed())
+    return model
+
+
+@pytest.mark.parametrize("backward", [False, True])
+def test_parametrized_weights_under_parametrize_cached_count_as_they_run(backward):
+    """Inside ``torch.nn.utils.parametrize.cached()`` a parametrized weight is computed on its first
+    read in the context and found on the later ones: such calls are measured (exact), the calls
+    outside keep their program (was: every call counted as computing it, 3072 vs 1024 FLOPs).
+    The reference is a second model built alike (a deepcopy would share torch's cache key)."""
+    model, reference, x = _parametrized(), _parametrized(), torch.randn(4, 8)
+    wrapper = fxflops.instrument(model, backward=backward)
+    grad = contextlib.nullcontext() if backward else torch.no_grad()
+
+    def counted(label: str) -> None:
+        wrapper.flops.reset()
+        out = wrapper(x)
+        if backward:
+            out.sum().backward()
+        assert wrapper.flops.uncounted == 0, label
+        assert wrapper.flops.total() == flop_counter_call(reference, (x,), {}, backward=backward), label
+
+    with grad:
+        counted("outside")
+        for context in range(2):
+            with nn.utils.parametrize.cached():
+                for call in range(1 if backward else 3):  # a training step reads it once per context
+                    counted(f"context {context}, call {call}")
+        counted("outside again")
+    assert len(wrapper.programs) == 1 and wrapper.measured

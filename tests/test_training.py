@@ -9,7 +9,9 @@ attribution is a heuristic that lets sibling modules absorb each other's backwar
 from __future__ import annotations
 
 import functools
+import gc
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -194,6 +196,80 @@ def test_a_backward_through_part_of_the_call_s_graph_is_not_counted_and_said():
     wrapper.flops.reset()
     whole(wrapper)
     assert wrapper.flops.uncounted == 0 and wrapper.flops.total() == _flop_counter(lambda: whole(model))
+
+
+def test_a_backward_that_records_the_gradients_graph_is_not_counted_and_said():
+    """``backward(create_graph=True)`` and a later pass through the gradients (a gradient penalty,
+    MAML's outer step): the second pass runs double-backward work the traced backward does not have
+    (was: billed as the traced backward, 4096 vs FlopCounterMode's 6656, nothing said). The forward
+    is counted; the backward passes are not, each said; a plain training call after them is exact."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8))
+    wrapper = fxflops.instrument(model, backward=True)
+    x = torch.randn(4, 8)
+
+    def penalized(f):  # noqa: ANN001, ANN202
+        f(x).square().sum().backward(create_graph=True)
+        sum(p.grad.square().sum() for p in model.parameters()).backward()
+        model.zero_grad(set_to_none=True)
+
+    def plain(f):  # noqa: ANN001, ANN202
+        f(x).square().sum().backward()
+
+    plain(wrapper)  # the capture
+    with torch.no_grad():
+        forward = _flop_counter(lambda: model(x))
+    wrapper.flops.reset()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        penalized(wrapper)
+    assert wrapper.flops.total() == forward < _flop_counter(lambda: penalized(model))
+    assert wrapper.flops.uncounted == 2  # the pass recording the graph, the one through it
+    assert any("create_graph=True" in str(w.message) for w in caught)
+    wrapper.flops.reset()
+    plain(wrapper)
+    assert wrapper.flops.uncounted == 0 and wrapper.flops.total() == _flop_counter(lambda: plain(model))
+
+
+class _LossAndLogits(nn.Module):
+    """A loss computed from the logits it also returns, as a Hugging Face model with ``labels`` does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.hidden, self.head = nn.Embedding(10, 8), nn.Linear(8, 64), nn.Linear(64, 3)
+        self.activations: list[weakref.ref] = []
+
+    def forward(self, ids):
+        h = torch.relu(self.hidden(self.embed(ids)))
+        self.activations.append(weakref.ref(h))  # saved by the head's backward
+        logits = self.head(h)
+        return {"loss": logits.square().mean(), "logits": logits}
+
+
+@pytest.mark.parametrize("then", ["no backward", "a backward"])
+def test_a_counted_call_keeps_no_autograd_graph_alive(then):
+    """Counting a training call holds none of its autograd graph: an evaluation left in grad mode
+    frees each call's activations (was: every call's graph kept, its saved activations too, when one
+    output is computed from another), and a parameter resized after a backward (transformers'
+    ``resize_token_embeddings``) trains on (was: every later backward raised, the old gradient
+    accumulator kept alive with the old shape)."""
+    model = _LossAndLogits()
+    wrapper = fxflops.instrument(model, backward=True)
+    for _ in range(3):
+        out = wrapper(torch.randint(0, 10, (4, 5)))
+        if then == "a backward":
+            out["loss"].backward()
+        del out
+    gc.collect()
+    assert not any(ref() is not None for ref in model.activations)
+    model.zero_grad(set_to_none=True)
+    model.embed.weight.data = torch.cat([model.embed.weight.data, torch.randn(10, 8)])
+    model.embed.num_embeddings = 20
+    ids = torch.randint(0, 20, (4, 5))
+    wrapper.flops.reset()
+    wrapper(ids)["loss"].backward()
+    assert wrapper.flops.uncounted == 0
+    assert wrapper.flops.total() == _flop_counter(lambda: model(ids)["loss"].backward())
 
 
 def test_partially_frozen_model_counts_only_the_gradients_autograd_computes():

@@ -13,6 +13,14 @@ from fxflops.conventions import FLOPCOUNTER, Convention
 PHASES = ("fwd", "bwd", "recompute")
 
 
+def checked_phase(phase: str | None, phases: tuple[str, ...] = PHASES) -> str | None:
+    """``phase`` when it is one of ``phases`` or None (every phase); ValueError otherwise (a typo
+    would read as a phase with no FLOPs)."""
+    if phase is not None and phase not in phases:
+        raise ValueError(f"phase must be one of {phases} or None, not {phase!r}")
+    return phase
+
+
 def _left_out(term: Term, convention: Convention) -> bool:
     return (
         (term.kind == "elementwise" and convention.count != "all")

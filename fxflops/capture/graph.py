@@ -246,7 +246,7 @@ def trace_graph(
         raise CaptureError(
             f"could not trace {type(model).__name__} symbolically{module} at {_model_line(exc)}: "
             f"{type(exc).__name__}: {str(exc).splitlines()[0]}{hint}",
-            module=where,
+            module=where, in_trace=True,
         ) from exc
 
 

@@ -177,7 +177,7 @@ def saved_object(obj: Any) -> list[Restorer]:
             else:
                 descriptor.__set__(obj, value)
 
-    held = [value for value in (*state.values(), *slots.values()) if isinstance(value, _RESTORED)]
+    held = [value for value in (*state.values(), *slots.values()) if issubclass(type(value), _RESTORED)]
     restorers = [saved_bindings(state)] if state is own else []
     return restorers + ([restore_slots] if slots else []) + [r for value in held for r in saved_contents(value)]
 
@@ -235,13 +235,14 @@ def _owned(value: Any, copies: dict[int, Any]) -> Any:
         value = value.fxflops_wraps
     if id(value) in copies:
         return copies[id(value)]
-    if isinstance(value, types.MethodType) and id(value.__self__) in copies:
+    kind = type(value)  # by its type: ``isinstance`` would read ``__class__`` through an object's own lookup
+    if kind is types.MethodType and id(value.__self__) in copies:
         return types.MethodType(value.__func__, copies[id(value.__self__)])
-    if isinstance(value, (functools.partial, types.FunctionType)):
+    if issubclass(kind, (functools.partial, types.FunctionType)):
         return _rebound(value, copies)
-    if type(value) is tuple:
+    if kind is tuple:
         return tuple(copies.get(id(item), item) for item in value)
-    if not isinstance(value, _CONTAINERS):
+    if not issubclass(kind, _CONTAINERS):
         return value
     try:
         own = value.copy() if type(value) in _PLAIN_CONTAINERS else copy.copy(value)
@@ -286,7 +287,7 @@ def _cell_holds_copied(cell: Any, copies: dict[int, Any]) -> bool:
         value = cell.cell_contents
     except ValueError:  # an empty cell
         return False
-    return id(value) in copies or isinstance(value, types.MethodType) and id(value.__self__) in copies
+    return id(value) in copies or type(value) is types.MethodType and id(value.__self__) in copies
 
 
 _PLAIN = (torch.Tensor, bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device, torch.Size, type)

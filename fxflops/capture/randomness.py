@@ -191,8 +191,9 @@ def _held_generators(model: torch.nn.Module, reach: Reach) -> list[Any]:
     holders = [*model.modules(), *held_objects(model).values()]
     for holder in holders:
         for value in list(attribute(holder, "__dict__", {}).values()):
-            items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else (value,)
-            found.update({id(item): item for item in items if isinstance(item, random.Random) or numpy_generator(item)})
+            kind = type(value)  # by type: ``isinstance`` reads ``__class__`` through an object's own lookup
+            items = value.values() if issubclass(kind, dict) else value if issubclass(kind, (list, tuple)) else (value,)
+            found.update({id(item): item for item in items if issubclass(type(item), random.Random) or numpy_generator(item)})
     return list(found.values())
 
 

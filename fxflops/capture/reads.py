@@ -133,7 +133,10 @@ def module_at(model: torch.nn.Module, path: str) -> torch.nn.Module:
     return found
 
 
-def held_objects(model: torch.nn.Module, depth: int = 3) -> dict[int, Any]:
+HELD_DEPTH = 6  # objects inside objects (a config's sub-configs, hydra- or yacs-style nesting) a capture copies and records
+
+
+def held_objects(model: torch.nn.Module, depth: int = HELD_DEPTH) -> dict[int, Any]:
     """The plain Python objects (not modules, tensors, functions or builtins) held as attributes by
     the model's modules, and by those objects, ``depth`` levels deep: configs, their sub-configs
     (``config.text_config``) and what those hold, dataclasses; and the modules' hooks that are
@@ -183,11 +186,22 @@ def hook_at(module: torch.nn.Module, where: str) -> Any:
 def _is_held(value: Any) -> bool:
     kind = type(value)
     return (
-        attribute(value, "__dict__") is not None
-        and not isinstance(value, NOT_HELD)
+        not issubclass(kind, NOT_HELD)
+        and not reads_run_code(kind)
+        and attribute(value, "__dict__") is not None
         and kind.__module__ not in ("builtins", "functools", "collections", "enum")
         and not issubclass(kind, BaseException)
     )
+
+
+def reads_run_code(kind: type) -> bool:
+    """Whether reading an attribute of an instance of ``kind``, a class of torch's or of the
+    standard library, runs Python code of its class (a ``__getattribute__`` of its own: torch's
+    deprecated ``torch.distributed.reduce_op`` warns on every read, an error under ``-W error``):
+    such an object is not walked, only kept by identity. Model code's classes are read as they
+    are (a transformers config resolves its ``attribute_map`` aliases so: those reads are state)."""
+    lookup = getattr(kind, "__getattribute__", None)
+    return isinstance(lookup, types.FunctionType) and library_module(getattr(kind, "__module__", None) or "")
 
 
 def _tracers_own(obj: Any, name: str) -> bool:
@@ -322,6 +336,8 @@ def attribute(value: Any, name: str, default: Any = None) -> Any:
     """``getattr(value, name, default)`` that never raises: a user's object whose ``__getattr__``
     raises something else than AttributeError for a name it lacks (``class AttrDict(dict):
     __getattr__ = dict.__getitem__`` raises KeyError), or a property that fails, reads as absent."""
+    if reads_run_code(type(value)):  # its own lookup is code: not run by fxflops
+        return default
     try:
         return getattr(value, name, default)
     except Exception:  # noqa: BLE001 - any object's own lookup

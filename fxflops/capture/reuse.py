@@ -55,7 +55,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from fxflops.capture.markers import repeat_marker
-from fxflops.capture.reads import attribute
+from fxflops.capture.reads import attribute, reads_run_code
 
 _STRUCTURE = frozenset({"_parameters", "_buffers", "_modules", "_non_persistent_buffers_set"})  # compared as state and tree
 _HOOK_FLAGS = {  # a hook registry -> the registries flagging how each of its hooks is called
@@ -110,11 +110,13 @@ def _key(value: Any, seen: tuple[int, ...]) -> Any:
         return ("cycle", len(seen) - seen.index(id(value)))
     if len(seen) > _MAX_DEPTH:
         return ("object", id(value))
-    inner = (*seen, id(value))
-    if isinstance(value, torch.Tensor):
+    inner, kind = (*seen, id(value)), type(value)
+    if issubclass(kind, torch.Tensor):
         return _tensor_key(value)
-    if isinstance(value, torch.nn.Module):
-        return ("module", type(value), layer_state(value), layer_attributes(value, frozenset(), seen))
+    if issubclass(kind, torch.nn.Module):
+        return ("module", kind, layer_state(value), layer_attributes(value, frozenset(), seen))
+    if reads_run_code(kind):  # torch's deprecated reduce_op warns on every read
+        return ("object", id(value))
     if isinstance(value, (list, tuple)):
         return (type(value), tuple(_key(item, inner) for item in value))
     if isinstance(value, dict):

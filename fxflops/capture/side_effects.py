@@ -321,7 +321,7 @@ def numpy_generator(value: Any) -> bool:
     """Whether ``value`` is a numpy generator object (``Generator``, ``RandomState``): its methods
     are C code that cannot be patched, so its draws are found by its state."""
     numpy_random = sys.modules.get("numpy.random")
-    return numpy_random is not None and isinstance(value, (numpy_random.Generator, numpy_random.RandomState))
+    return numpy_random is not None and issubclass(type(value), (numpy_random.Generator, numpy_random.RandomState))
 
 
 def reach_of(model: torch.nn.Module) -> Reach:
