@@ -15,6 +15,7 @@ accumulators) alive after its tensors are gone. Used by ``instrument.py`` for a 
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -60,33 +61,41 @@ class BackwardBill:
     into the backward.
     """
 
-    __slots__ = ("meter", "program", "monomials", "prefix", "roots", "warn", "graphed", "passes")
+    __slots__ = ("meter", "program", "monomials", "prefix", "roots", "warn", "graphed", "passes", "failed")
 
     def __init__(self, meter: Meter, program: Program, monomials: tuple, prefix: str, roots: int, warn: Callable[[str], None]) -> None:
         self.meter, self.program, self.monomials, self.prefix = meter, program, monomials, prefix
         self.roots, self.warn, self.graphed = roots, warn, False
         self.passes: dict[int, tuple[str, set[int]]] = {}  # graph task -> (leaves it skips, roots it reached)
+        self.failed: set[int | None] = set()  # passes whose hook failed (counted as uncounted once)
 
     def __call__(self, root: int | None, grad_outputs: Any) -> None:
         """Run as the pre-hook of an output node (being executed): the ``root``-th one, or None."""
+        task = None
         try:
-            task = torch._C._current_graph_task_id()
-            reached = self.passes.get(task)
-            if reached is None:  # the first output node this pass runs: the highest in its graph
-                # a pass with create_graph=True records the gradients' own graph: a later pass through it
-                # (a gradient penalty, a double backward) runs work the traced backward does not have
-                self.graphed = self.graphed or torch.is_grad_enabled()
-                self.passes[task] = reached = (leaves_skipped(torch._C._current_autograd_node()), set())
-                torch.autograd.Variable._execution_engine.queue_callback(functools.partial(self._settle, task))
-            if root is not None:
-                reached[1].add(root)
+            task = _graph_task()
+            with _FIRST:  # output nodes on two devices may run at once
+                reached = self.passes.get(task)
+                if reached is None:  # the first output node this pass runs: the highest in its graph
+                    # a pass with create_graph=True records the gradients' own graph: a later pass through it
+                    # (a gradient penalty, a double backward) runs work the traced backward does not have
+                    self.graphed = self.graphed or torch.is_grad_enabled()
+                    self.passes[task] = reached = (leaves_skipped(_running_node()), set())
+                    torch.autograd.Variable._execution_engine.queue_callback(functools.partial(self._settle, task))
+                if root is not None:
+                    reached[1].add(root)
         except Exception:  # noqa: BLE001 - a backward is never broken by telemetry
-            self.passes.pop(task, None)
-            self.meter.not_counted()
+            self.passes.pop(task, None)  # its end bills nothing
+            if task not in self.failed:  # one uncounted call per pass
+                self.failed.add(task)
+                self.meter.not_counted()
 
     def _settle(self, task: int) -> None:
-        """At the end of pass ``task``: bill it, or say why not."""
-        skipped, reached = self.passes.pop(task, ("", set()))
+        """At the end of pass ``task``: bill it, or say why not (nothing when it was not counted already)."""
+        found = self.passes.pop(task, None)
+        if found is None:
+            return
+        skipped, reached = found
         try:
             if self.graphed:
                 why = (
@@ -104,6 +113,10 @@ class BackwardBill:
             self.warn(f"{why}; call backward() on a loss of every output")
         except Exception:  # noqa: BLE001, S110 - a backward is never broken by telemetry
             self.meter.not_counted()
+
+
+_FIRST = threading.Lock()  # the first hook of a pass registers it (BackwardBill.__call__)
+_graph_task, _running_node = torch._C._current_graph_task_id, torch._C._current_autograd_node
 
 
 def leaves_skipped(running: Any) -> str:

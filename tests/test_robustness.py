@@ -109,6 +109,32 @@ def test_a_fault_in_any_stage_leaves_the_step_untouched(stage, monkeypatch):
         strict(other)
 
 
+def test_a_fault_in_the_backward_bill_leaves_the_backward_untouched(monkeypatch):
+    """A fault in the hook that bills a call's backward, where it asks which pass runs or registers
+    it: the backward and the gradients are the plain model's, that pass is one uncounted call (the
+    forward is counted), and the next step is counted whole (was: a fault asking for the pass raised
+    NameError into the user's backward)."""
+    import fxflops.backward
+
+    torch.manual_seed(0)
+    model = TinyGPT(CONFIG)
+    plain = copy.deepcopy(model)
+    wrapper = fxflops.instrument(model, backward=True)
+    ids = torch.randint(0, 100, (2, 9))
+    _step(wrapper, ids)
+    expected_out, expected_grads = _step(plain, ids)
+    for owner, name in ((fxflops.backward, "leaves_skipped"), (fxflops.backward, "_graph_task")):
+        monkeypatch.setattr(owner, name, _raise)
+        wrapper.flops.reset()
+        out, grads = _step(wrapper, ids)
+        monkeypatch.undo()
+        assert torch.equal(out, expected_out) and all(torch.equal(grads[k], expected_grads[k]) for k in expected_grads)
+        assert wrapper.flops.uncounted == 1 and wrapper.flops.total() == wrapper.flops.total(phase="fwd") > 0, name
+    wrapper.flops.reset()
+    _step(wrapper, ids)
+    assert wrapper.flops.uncounted == 0 and wrapper.flops.total(phase="bwd") > 0
+
+
 def test_a_fault_in_a_routing_probe_never_reaches_the_model(monkeypatch):
     torch.manual_seed(0)
     model = TinyGPT(MOE)
