@@ -98,10 +98,7 @@ class BackwardBill:
         skipped, reached = found
         try:
             if self.graphed:
-                why = (
-                    "a backward with create_graph=True records the gradients' own graph: a backward through it (a "
-                    "gradient penalty, a double backward) runs work the traced backward does not have"
-                )
+                why = GRAPH_RECORDED
             elif len(reached) < self.roots:
                 why = "a backward that reaches only some of the call's outputs runs only part of the traced backward"
             elif skipped:
@@ -115,6 +112,10 @@ class BackwardBill:
             self.meter.not_counted()
 
 
+GRAPH_RECORDED = (
+    "a backward with create_graph=True records the gradients' own graph: a backward through it (a gradient penalty, "
+    "a double backward) runs work the traced backward does not have"
+)
 _FIRST = threading.Lock()  # the first hook of a pass registers it (BackwardBill.__call__)
 _graph_task, _running_node = torch._C._current_graph_task_id, torch._C._current_autograd_node
 
@@ -150,4 +151,4 @@ def first_leaf(nodes: list, limit: int = 256) -> Any:
     return None
 
 
-__all__ = ["BackwardBill", "bill_backward", "leaves_skipped", "output_nodes"]
+__all__ = ["GRAPH_RECORDED", "BackwardBill", "bill_backward", "leaves_skipped", "output_nodes"]

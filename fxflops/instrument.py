@@ -157,6 +157,7 @@ _PRIVATE = {  # the wrapper's own settings, private: a model's child or attribut
 }
 
 
+_MEASURED_ADVICE = "such calls are measured op by op (exact, slower)"
 _MAX_PROGRAMS_ADVICE = (
     "calls of this situation and later new ones are measured op by op (exact, slower); a Python argument that changes "
     "every call (a length, a count) makes a new situation each time: pass it as a tensor, or raise max_programs"
@@ -581,7 +582,7 @@ class Instrumented(torch.nn.Module):
                 return Spine.whole(self._traced, f"{name} has parameters its first call makes (a lazy module)"), None
             if self._measure and _cached_parametrizations(self._traced):
                 reason = f"{name}: its parametrized weights are computed once per torch.nn.utils.parametrize.cached() context"
-                return self._measured_whole(branch, sizes, reason, "parametrize.cached", "such calls are measured op by op (exact, slower)"), None
+                return self._measured_whole(branch, sizes, reason, "parametrize.cached", _MEASURED_ADVICE), None
             try:
                 program = self._capture(branch, situation, sizes, args, kwargs, roots)
             except Exception as exc:
@@ -596,7 +597,7 @@ class Instrumented(torch.nn.Module):
                 # the capture saw another state than the call's (an object a context variable holds, which a
                 # capture's context does not: capture/ambient.py): its program serves the calls in that state
                 reason = f"{name}: {program.state.mismatch()}: the capture could not see the state this call runs in"
-                return self._measured_whole(branch, sizes, reason, reason, "such calls are measured op by op (exact, slower)"), None
+                return self._measured_whole(branch, sizes, reason, reason, _MEASURED_ADVICE), None
         return program, program.binder.values(args, kwargs)
 
     @contextlib.contextmanager

@@ -53,7 +53,7 @@ from fxflops.analysis import Analysis
 from fxflops.analysis.masks import CAUSAL_ARGUMENTS
 from fxflops.analysis.paths import ancestors
 from fxflops.analysis.terms import Term, Unsupported
-from fxflops.backward import BackwardBill, bill_backward, output_nodes
+from fxflops.backward import GRAPH_RECORDED, BackwardBill, bill_backward, output_nodes
 from fxflops.binder import Binder
 from fxflops.capture.outputs import backward_roots, output_tensors
 from fxflops.capture.isolation import isolated_call
@@ -679,10 +679,7 @@ class _GraphRecorded:
         if self.seen and task not in self.refused:
             self.refused.add(task)
             self.owner.flops.not_counted()
-            self.owner._warn_once(
-                "a backward with create_graph=True records the gradients' own graph: a backward through it (a gradient "
-                "penalty, a double backward) runs work the traced backward does not have"
-            )
+            self.owner._warn_once(GRAPH_RECORDED)
         return self.seen
 
 
