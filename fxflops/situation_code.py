@@ -276,6 +276,7 @@ def _followed(
     call's function arguments, and the functions their globals and closures hold, transitively (up to
     :data:`MAX_FUNCTIONS`; not library code)."""
     seen: set[tuple[int, int]] = set()
+    keys = _strings_read(model, called)  # a registry's functions under these keys may run
     todo: list[tuple[types.FunctionType, tuple[Any, str] | None]] = [
         *_called_methods(model, called), *_hooks(model),
         *(pair for value in functions for pair in _code_run_by(value, "a function the call passes")),
@@ -289,7 +290,8 @@ def _followed(
         yield fn, reads
         for _, read in reads:
             value = read.expected.func if isinstance(read.expected, SamePartial) else read.expected
-            todo += [(f, read.runs_on) for f in _functions_in(value)]
+            held = value.functions_under(keys) if isinstance(value, RegistryContents) else (value,)
+            todo += [(f, read.runs_on) for v in held for f in _functions_in(v)]
 
 
 def _hooks(model: torch.nn.Module) -> Iterator[tuple[types.FunctionType, tuple[Any, str] | None]]:
@@ -321,13 +323,10 @@ def _called_methods(model: torch.nn.Module, called: dict[str, set[str]]) -> Iter
     (``self.n = settings.repeats``: what ``settings.repeats`` reads on ``self``, :func:`_code_run_by`);
     a module's own methods nothing (what they read on the module, the capture recorded)."""
     for key, names in called.items():
-        path, _, held_path = key.partition("|")
-        try:
-            owner = module_at(model, path)
-            for part in held_path.split(".") if held_path else ():
-                owner = vars(owner)[part]
-        except (AttributeError, KeyError, IndexError, ValueError, TypeError):  # gone since
+        owner = _owner_of(model, key)
+        if owner is _GONE:
             continue
+        path, _, held_path = key.partition("|")
         where = f"{path or '<root>'}{'.' + held_path if held_path else ''}"
         for name in names:
             held = vars(owner).get(name)
@@ -339,6 +338,33 @@ def _called_methods(model: torch.nn.Module, called: dict[str, set[str]]) -> Iter
                 value = vars(cls)[name]
                 runs_on = (type(owner), f"type({where})") if isinstance(value, classmethod) else None
                 yield from ((f, runs_on) for f in _functions_in(value))
+
+
+_GONE = object()
+
+
+def _owner_of(model: torch.nn.Module, key: str) -> Any:
+    """The module at a ``called`` key's path, or the object it holds along its held path; ``_GONE``
+    when it is no longer there."""
+    path, _, held_path = key.partition("|")
+    try:
+        owner = module_at(model, path)
+        for part in held_path.split(".") if held_path else ():
+            owner = vars(owner)[part]
+    except (AttributeError, KeyError, IndexError, ValueError, TypeError):  # gone since
+        return _GONE
+    return owner
+
+
+def _strings_read(model: torch.nn.Module, called: dict[str, set[str]]) -> frozenset[str]:
+    """The strings the capture read on the modules and the objects they hold (a config's
+    ``_attn_implementation``): the keys by which the code may choose a function from a registry."""
+    found = set()
+    for key, names in called.items():
+        owner = _owner_of(model, key)
+        values = attribute(owner, "__dict__") or {}
+        found.update(value for name in names if isinstance(value := values.get(name), str))
+    return frozenset(found)
 
 
 def _functions_in(value: Any) -> Iterator[types.FunctionType]:
@@ -1315,6 +1341,11 @@ class RegistryContents:
 
     def __eq__(self, other: object) -> bool:
         return other is self.registry and all(d == c for d, c in zip(self.dicts, self.copies))
+
+    def functions_under(self, keys: frozenset[str]) -> list[Any]:
+        """The functions it keeps under ``keys``: model code the call may run (an attention function
+        chosen by a config's string), whose own reads are the call's too."""
+        return [v for copy in self.copies for k, v in copy.items() if k in keys and isinstance(v, types.FunctionType)]
 
     __hash__ = None  # type: ignore[assignment]
 

@@ -1619,6 +1619,24 @@ def test_an_attention_function_registered_over_the_one_traced_is_another_situati
     assert wrapper.captures == 2
 
 
+def test_a_torch_function_patched_under_the_registered_attention_function_is_another_situation(monkeypatch):
+    """transformers' sdpa models call ``torch.nn.functional.scaled_dot_product_attention`` from the
+    function registered under ``"sdpa"`` (``sdpa_attention_forward``), not from the model's own code:
+    the registry's function chosen by the config's string is walked as model code, so attention
+    patched in torch's module (a ring attention over gathered keys) is another situation (was the
+    traced count)."""
+    model = _tiny_llama(1, "sdpa").eval()
+    wrapper = fxflops.instrument(model)
+    ids = torch.randint(0, 128, (2, 9))
+    with torch.no_grad():
+        assert_counted_call(wrapper, model, (), False, "traced", {"input_ids": ids})
+        monkeypatch.setattr(nn.functional, "scaled_dot_product_attention", _over_the_whole_sequence)
+        assert_counted_call(wrapper, model, (), False, "attention patched", {"input_ids": ids})
+        monkeypatch.undo()
+        assert_counted_call(wrapper, model, (), False, "restored", {"input_ids": ids})
+    assert wrapper.captures == 2
+
+
 SLOT = {"at": 0}  # a setting read only to address a write: still a setting
 
 
