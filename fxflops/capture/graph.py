@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 import torch.utils._pytree as pytree
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.experimental.proxy_tensor import _AttrProxy, _ModuleStackTracer, make_fx
 
 from fxflops.capture.derived import TracedSize
@@ -24,6 +24,7 @@ from fxflops.capture.inputs import Path, put
 from fxflops.capture.isolation import user_tensors_read_only
 from fxflops.capture.outputs import backward_roots, output_tensors
 from fxflops.capture.phases import run_backward, tagging_recompute
+from fxflops.capture.reads import named_modules
 from fxflops.capture.reuse import LayerCalledTwice
 from fxflops.capture.scope import patched
 from fxflops.capture.shape_env import format_location, is_library_file, size_oblivious
@@ -41,6 +42,21 @@ def no_stack_traces() -> Iterator[None]:
         yield
     finally:
         torch.fx.config.do_not_emit_stack_traces = before
+
+
+@contextlib.contextmanager
+def _gradients_kept(model: torch.nn.Module) -> Iterator[None]:
+    """A fake gradient the block leaves on a real parameter of the model (one the trace does not
+    swap for a fake: a module held unregistered; one a reentrant checkpoint's backward differentiates)
+    is taken off again: its ``.grad`` as it was before. A real gradient set meanwhile (another
+    thread's backward) is kept."""
+    before = [(p, p.grad) for _, module in named_modules(model) for p in module.parameters(recurse=False)]
+    try:
+        yield
+    finally:
+        for tensor, grad in before:
+            if isinstance(tensor.grad, FakeTensor):
+                tensor.grad = grad
 
 
 @contextlib.contextmanager
@@ -168,8 +184,8 @@ def trace_graph(
     a copy made inside the trace, so in-place ops that a leaf requiring grad refuses work as on the
     real tensor (the copy moves data, no FLOPs).
 
-    Parameters and buffers enter as static-shaped fake placeholders, swapped in with
-    ``functional_call``: the model's real state is never read for compute nor mutated (e.g.
+    Parameters and buffers enter as static-shaped fake placeholders, swapped in as
+    ``functional_call`` does, for the forward and the backward: the model's real state is never read for compute nor mutated (e.g.
     BatchNorm's ``num_batches_tracked += 1``). A distributed engine's sharded parameters get the
     shape this rank computes with: ``shapes`` by parameter id, ``compute_shapes`` (``capture/engines.py``)
     of the user's model, whose engine state a twin of it is not registered for; a model on the ``meta`` device (no
@@ -209,20 +225,24 @@ def trace_graph(
             derived[name] = TracedSize(symint, call_leaves[slots[source_at[name]]])
         flat = flat[:given]
         swapped = dict(zip(state, flat[len(slots) + len(held) :]))
-        out = torch.func.functional_call(model, swapped, call_args, call_kwargs, tie_weights=False, strict=False)
-        out_leaves, spec = pytree.tree_flatten(out)
-        structure.extend([spec, [TENSOR if isinstance(x, torch.Tensor) else x for x in out_leaves]])
-        outputs = output_tensors(out)
-        if backward:
-            differentiated = backward_roots(out, outputs) if roots is None else [outputs[i] for i in roots]
-            return outputs + run_backward(differentiated, list(flat))
-        return outputs
+        # the backward runs with the fakes swapped in too: a reentrant checkpoint's backward recomputes
+        # its block and differentiates it there (gradients of the real parameters would be fakes)
+        with torch.nn.utils.stateless._reparametrize_module(model, swapped, tie_weights=False, strict=False):
+            out = model(*call_args, **call_kwargs)
+            out_leaves, spec = pytree.tree_flatten(out)
+            structure.extend([spec, [TENSOR if isinstance(x, torch.Tensor) else x for x in out_leaves]])
+            outputs = output_tensors(out)
+            if backward:
+                differentiated = backward_roots(out, outputs) if roots is None else [outputs[i] for i in roots]
+                return outputs + run_backward(differentiated, list(flat))
+            return outputs
 
     run._orig_mod = model  # make_fx records nn_module_stack relative to this root
     try:
         phases = tagging_recompute() if backward else contextlib.nullcontext()
         with size_oblivious(), no_stack_traces(), _layout_oblivious(), _access_paths_from_the_root(), \
-                _attention_flags_as_bools(), _grouped_mm_any_float(), phases, user_tensors_read_only(mode), mode:
+                _attention_flags_as_bools(), _grouped_mm_any_float(), phases, user_tensors_read_only(mode), \
+                _gradients_kept(model), mode:
             gm = make_fx(
                 run, tracing_mode="symbolic", _allow_non_fake_inputs=True, record_module_stack=True
             )(*(leaves[i] for i in slots), *(fake for _, _, fake in held), *fake_state, *(derived[n].symint for n in derived_names))
