@@ -47,7 +47,7 @@ import torch.utils.checkpoint as checkpoint_module
 
 from fxflops.call_keys import CallKeys
 from fxflops.capture.engines import not_a_microbatch, traced_module, transform_around
-from fxflops.capture.outputs import backward_roots, holds_iterator, output_tensors
+from fxflops.capture.outputs import backward_roots, hidden_tensors, output_tensors
 from fxflops.capture.scope import capturing
 from fxflops.errors import CaptureError, FxFlopsError, GuardError, InputError, MetadataError, warn
 from fxflops.adapters import adapter_for
@@ -742,12 +742,14 @@ def _joined(prefix: str, path: str) -> str:
 
 def _requires_grad(out: Any) -> bool:
     """True if any tensor in the output requires grad (so a backward can follow this forward). An
-    output holding an iterator (a generator) hides its tensors until consumed: whether a backward
-    follows cannot be seen, so such a call is refused (FxFlopsError), never counted as a forward."""
+    output hiding tensors (an iterator, a generator, whose tensors exist only once consumed; objects
+    nested too deep: ``hidden_tensors``): whether a backward follows cannot be seen, so such a call
+    is refused (FxFlopsError), never counted as a forward."""
     if isinstance(out, torch.Tensor):
         return out.requires_grad
-    if holds_iterator(out):
-        raise FxFlopsError("the output holds an iterator: whether a backward follows this call cannot be seen")
+    hidden = hidden_tensors(out)
+    if hidden:
+        raise FxFlopsError(f"{hidden}: whether a backward follows this call cannot be seen")
     return any(t.requires_grad for t in output_tensors(out))
 
 

@@ -153,25 +153,93 @@ class Output:
     steps: int = 1
 
 
-class ReturnsDataclass(nn.Module):
-    def __init__(self) -> None:
+class _Slotted:
+    __slots__ = ("logits",)
+
+    def __init__(self, logits) -> None:
+        self.logits = logits
+
+
+class _Callable:
+    def __init__(self, logits) -> None:
+        self.logits = logits
+
+    def __call__(self):
+        return self.logits
+
+
+class _Nested:
+    def __init__(self, inner) -> None:
+        self.inner = inner
+
+
+class _DictOf(dict):
+    pass
+
+
+class _ListOf(list):
+    pass
+
+
+def _nested(depth):
+    def make(logits):
+        for _ in range(depth):
+            logits = _Nested(logits)
+        return logits
+
+    return make
+
+
+def _innermost(out):
+    while isinstance(out, _Nested):
+        out = out.inner
+    return out
+
+
+OUTPUT_HOLDERS = {  # how the output holds its tensor, how the user's loss reaches it
+    "dataclass": (Output, lambda out: out.logits),
+    "dict subclass": (lambda y: _DictOf(logits=y), lambda out: out["logits"]),
+    "list subclass": (lambda y: _ListOf([y]), lambda out: out[0]),
+    "set": (lambda y: {y}, lambda out: next(iter(out))),
+    "object with slots": (_Slotted, lambda out: out.logits),
+    "callable object": (_Callable, lambda out: out()),
+    "objects 8 deep": (_nested(8), _innermost),
+}
+
+
+class ReturnsHeld(nn.Module):
+    def __init__(self, holder) -> None:
         super().__init__()
-        self.fc = nn.Linear(8, 8)
+        self.fc, self.holder = nn.Linear(8, 8), holder
 
     def forward(self, x):
-        return Output(self.fc(x))
+        return self.holder(self.fc(x))
 
 
-def test_a_dataclass_output_has_its_backward_counted():
-    model = ReturnsDataclass()
+@pytest.mark.parametrize("holder", OUTPUT_HOLDERS)
+def test_an_output_held_in_objects_pytree_does_not_know_has_its_backward_counted(holder):
+    """Outputs pytree sees as one leaf are looked into (was: a dict or list subclass, a set, an
+    object with slots, a callable object, or objects more than 4 deep: the backward never billed)."""
+    make, loss_of = OUTPUT_HOLDERS[holder]
+    model = ReturnsHeld(make)
     wrapper = fxflops.instrument(model, backward=True)
     for rows in (4, 6):
         x = torch.randn(rows, 8)
         wrapper.flops.reset()
-        wrapper(x).logits.sum().backward()
+        loss_of(wrapper(x)).sum().backward()
         with torch.utils.flop_counter.FlopCounterMode(display=False) as counter:
-            model(x).logits.sum().backward()
+            loss_of(model(x)).sum().backward()
         assert wrapper.flops.total() == counter.get_total_flops() and wrapper.flops.uncounted == 0
+
+
+def test_an_output_nested_deeper_than_is_looked_into_is_refused_in_training():
+    """Objects nested more than ``MAX_DEPTH`` deep may hide the tensors a backward starts from: the
+    call is refused (said), never counted as a forward."""
+    wrapper = fxflops.instrument(ReturnsHeld(_nested(12)), backward=True)
+    with pytest.warns(UserWarning, match="nested more than"):
+        out = wrapper(torch.randn(4, 8))
+    _innermost(out).sum().backward()
+    assert wrapper.flops.total() == 0 and wrapper.flops.uncounted == 1
 
 
 class ReturnsGenerator(nn.Module):

@@ -11,27 +11,35 @@ from __future__ import annotations
 
 import collections.abc
 import dataclasses
+import functools
+import types
 from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
 
-MAX_DEPTH = 4  # objects inside objects looked into
-_SKIPPED = (torch.nn.Module, type, str, bytes)
+MAX_DEPTH = 8  # objects inside objects looked into
+_SKIPPED = (  # hold no output: modules, classes, text, functions (a closure's cells are not the output's)
+    torch.nn.Module, type, str, bytes, types.FunctionType, types.MethodType, types.BuiltinFunctionType, functools.partial,
+)
 
 
 def output_tensors(out: Any) -> list[torch.Tensor]:
-    """Every tensor of ``out``, in a fixed order: pytree's leaves, and inside a leaf that is a
-    dataclass or a plain object, its fields / attributes (recursively, :data:`MAX_DEPTH` deep)."""
+    """Every tensor of ``out``, in a fixed order: pytree's leaves, and inside a leaf pytree does not
+    know (a dataclass, a dict or list subclass, a plain object), what it holds (:func:`_fields`,
+    recursively, :data:`MAX_DEPTH` deep)."""
     found: list[torch.Tensor] = []
     _collect(out, found, 0)
     return found
 
 
-def holds_iterator(out: Any) -> bool:
-    """Whether ``out`` holds an iterator (a generator): its tensors exist only once it is consumed,
-    so which of them a backward starts from cannot be seen when the call returns."""
-    return any(_is_iterator(leaf) for leaf in pytree.tree_leaves(out))
+def hidden_tensors(out: Any) -> str:
+    """Why tensors of ``out`` may be out of sight ("" when none are): an iterator (a generator),
+    whose tensors exist only once it is consumed, or objects nested deeper than :data:`MAX_DEPTH`.
+    Which of them a backward starts from cannot be seen when the call returns."""
+    hidden: list[str] = []
+    _collect(out, [], 0, hidden=hidden)
+    return hidden[0] if hidden else ""
 
 
 def loss_of(out: Any) -> Any:
@@ -68,25 +76,44 @@ def _field(out: Any, name: str) -> Any:
     return None
 
 
-def _collect(value: Any, found: list[torch.Tensor], depth: int) -> None:
+def _collect(value: Any, found: list[torch.Tensor], depth: int, seen: set[int] | None = None, hidden: list[str] | None = None) -> None:
+    """Add the tensors of ``value`` to ``found``; why some cannot be seen to ``hidden``."""
+    seen = set() if seen is None else seen
     for leaf in pytree.tree_leaves(value):
         if isinstance(leaf, torch.Tensor):
             found.append(leaf)
-        elif depth < MAX_DEPTH and not isinstance(leaf, _SKIPPED) and not _is_iterator(leaf):
+        elif _is_iterator(leaf):
+            if hidden is not None:
+                hidden.append("the output holds an iterator")
+        elif id(leaf) not in seen and not isinstance(leaf, _SKIPPED):
+            seen.add(id(leaf))  # an object holding itself, or held twice: looked into once
             fields = _fields(leaf)
-            if fields is not None:
+            if depth < MAX_DEPTH:
                 for field in fields:
-                    _collect(field, found, depth + 1)
+                    _collect(field, found, depth + 1, seen, hidden)
+            elif fields and hidden is not None:
+                hidden.append(f"the output holds objects nested more than {MAX_DEPTH} deep")
 
 
-def _fields(leaf: Any) -> list[Any] | None:
-    """A dataclass's field values, or a plain object's attribute values; None for anything else."""
+def _fields(leaf: Any) -> list[Any]:
+    """What an object pytree does not know holds: a dataclass's field values; a mapping's values
+    and a sequence's or set's items (a dict or list subclass); a plain object's attributes and
+    slots (a callable one's too)."""
     if dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
         return [getattr(leaf, f.name, None) for f in dataclasses.fields(leaf)]
+    if isinstance(leaf, collections.abc.Mapping):
+        return list(leaf.values())
+    if isinstance(leaf, (collections.abc.Sequence, collections.abc.Set)):
+        return list(leaf)
     state = getattr(leaf, "__dict__", None)
-    if isinstance(state, dict) and not callable(leaf):
-        return list(state.values())
-    return None
+    values = list(state.values()) if isinstance(state, dict) else []
+    slots = (name for cls in type(leaf).__mro__ for name in _slot_names(cls))
+    return values + [getattr(leaf, name) for name in slots if name not in ("__dict__", "__weakref__") and hasattr(leaf, name)]
+
+
+def _slot_names(cls: type) -> tuple[str, ...]:
+    slots = vars(cls).get("__slots__", ())
+    return (slots,) if isinstance(slots, str) else tuple(slots)
 
 
 def _is_iterator(value: Any) -> bool:
