@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from fxflops.capture.inputs import MAX_HELD_DEPTH, PLAIN_TENSORS, held_state, own_attributes
+from fxflops.capture.inputs import MAX_HELD_DEPTH, PLAIN_TENSORS, SEQUENCES, held_state, opaque_container, own_attributes
 from fxflops.capture.reads import attribute, library_module
 from fxflops.errors import InputError
 
@@ -97,7 +97,9 @@ def _key(value: Any, shapes: bool, held: list | None) -> Any:
         if kind is slice:  # not hashable before Python 3.12
             return (kind, _slice_fields(value))
         return (kind, value)
-    if kind is list or kind is tuple or isinstance(value, (list, tuple)):
+    if kind is not list and kind is not tuple and kind is not dict and opaque_container(value):
+        shapes = True  # its tensors are constants of the trace: their shapes are the call's
+    if kind is list or kind is tuple or isinstance(value, SEQUENCES):
         return (kind, tuple([_key(v, shapes, held) for v in value]))
     if isinstance(value, dict):
         return (kind, tuple([(k, _key(v, shapes, held)) for k, v in value.items()]))

@@ -10,6 +10,7 @@ and every call's count is compared with FlopCounterMode on the same call in the 
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import enum
 import random
@@ -293,3 +294,51 @@ def test_parametrized_weights_under_parametrize_cached_count_as_they_run(backwar
                     counted(f"context {context}, call {call}")
         counted("outside again")
     assert len(wrapper.programs) == 1 and wrapper.measured
+
+
+class _Batch(dict):
+    pass
+
+
+class _Items(list):
+    pass
+
+
+class _Ordered(collections.OrderedDict):
+    pass
+
+
+ARGUMENT_CONTAINERS = {  # how the call holds its tensor; whether one capture serves every size
+    "dict": (lambda x: {"x": x}, True),
+    "deque": (lambda x: collections.deque([x]), True),
+    "dict subclass": (lambda x: _Batch(x=x), False),
+    "list subclass": (lambda x: _Items([x]), False),
+    "OrderedDict subclass": (lambda x: _Ordered(x=x), False),
+}
+
+
+class _ReadsItsContainer(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, batch):
+        return self.fc(batch["x"] if isinstance(batch, dict) else batch[0])
+
+
+@pytest.mark.parametrize("container", ARGUMENT_CONTAINERS)
+def test_tensors_in_any_argument_container_are_counted_per_call(container):
+    """A container torch's pytree does not flatten (a ``dict`` or ``list`` subclass) is one leaf to
+    the trace, its tensors constants: their shapes are the call's key, each size its own situation
+    (was: every call counted as the first, 3072 FLOPs for a batch of 64). One pytree flattens
+    (a ``deque``) holds inputs like a list (was: every call refused as an internal error)."""
+    make, symbolic = ARGUMENT_CONTAINERS[container]
+    model = _ReadsItsContainer()
+    wrapper = fxflops.instrument(model, backward=True)
+    for rows in (3, 5, 64, 0):
+        x = torch.randn(rows, 16)
+        wrapper.flops.reset()
+        wrapper(make(x)).sum().backward()
+        assert wrapper.flops.uncounted == 0
+        assert wrapper.flops.total() == flop_counter_call(model, (make(x),), {}, backward=True), rows
+    assert wrapper.captures == (1 if symbolic else 4)

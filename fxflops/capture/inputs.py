@@ -10,6 +10,7 @@ inputs like any other: a cache's length is a symbol, not a constant of the trace
 
 from __future__ import annotations
 
+import collections
 import enum
 import inspect
 import types
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 
 from fxflops.capture.reads import attribute
 from fxflops.errors import CaptureError, InputError
@@ -36,6 +38,19 @@ class Attr:
 
     def __str__(self) -> str:
         return self.name
+
+
+SEQUENCES = (list, tuple, collections.deque)  # containers whose items are the trace's inputs (as pytree flattens them)
+
+
+def opaque_container(value: Any) -> bool:
+    """A list, tuple or dict of a subclass torch's pytree does not flatten (``class Batch(dict)``):
+    one leaf to the trace, whose tensors are its constants (their shapes part of the call's key)."""
+    kind = type(value)
+    return (
+        kind is not list and kind is not tuple and kind is not dict and isinstance(value, (list, tuple, dict))
+        and pytree._get_node_type(value) not in pytree.SUPPORTED_NODES
+    )
 
 
 def held_state(value: Any) -> dict[str, Any] | None:
@@ -90,7 +105,9 @@ def _leaves(named: dict[str, Any], ints: bool) -> dict[Path, Any]:
     def visit(path: Path, value: Any, depth: int = 0) -> None:
         if isinstance(value, torch.Tensor) or ints and depth and type(value) is int:
             found[path] = value
-        elif isinstance(value, (list, tuple)):
+        elif opaque_container(value):  # constants of the trace, not inputs
+            return
+        elif isinstance(value, SEQUENCES):
             for i, item in enumerate(value):
                 visit(path + (i,), item, depth)
         elif isinstance(value, dict):
