@@ -31,7 +31,7 @@ from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP
 from torch.utils._sympy.printers import PythonPrinter
 
 from fxflops.capture.derived import CountedSize
-from fxflops.capture.inputs import Attr, Path, bind_call, path_label
+from fxflops.capture.inputs import Attr, Path, bind_call, path_label, signature_of
 from fxflops.analysis.masks import KeptPairs
 from fxflops.analysis.segments import ELEMENT, Family, column
 from fxflops.errors import InputError, MetadataError
@@ -113,7 +113,7 @@ class Binder:
         kept_pairs: dict[sympy.Symbol, KeptPairs] | None = None,
         counts: dict[sympy.Symbol, CountedSize] | None = None,
     ) -> None:
-        self._signature = inspect.signature(forward)
+        self._signature = signature_of(forward)
         self._forward = forward
         self.dim_exprs = dim_exprs
         self.symbols = symbols

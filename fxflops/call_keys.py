@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from fxflops.capture.inputs import MAX_HELD_DEPTH, PLAIN_TENSORS, SEQUENCES, held_state, opaque_container, own_attributes
+from fxflops.capture.inputs import MAX_HELD_DEPTH, PLAIN_TENSORS, SEQUENCES, held_state, opaque_container, own_attributes, signature_of
 from fxflops.capture.reads import attribute, library_module
 from fxflops.errors import InputError
 
@@ -354,7 +354,7 @@ class CallKeys:
         """Plans for the forward's signature and defaults as they are now."""
         function = getattr(self._forward, "__func__", self._forward)
         self._function, self._defaults = function, _defaults_of(function)
-        self._signature = inspect.signature(self._forward)
+        self._signature = signature_of(self._forward)
         self._by_layout: dict[tuple, Callable[[tuple, dict], tuple]] = {}
 
     def __call__(self, args: tuple, kwargs: dict) -> tuple:

@@ -47,6 +47,7 @@ import torch.utils.checkpoint as checkpoint_module
 
 from fxflops.call_keys import CallKeys
 from fxflops.capture.engines import not_a_microbatch, traced_module, transform_around
+from fxflops.capture.inputs import signature_of
 from fxflops.capture.outputs import backward_roots, hidden_tensors, output_tensors
 from fxflops.capture.scope import capturing
 from fxflops.errors import CaptureError, FxFlopsError, GuardError, InputError, MetadataError, warn
@@ -729,7 +730,7 @@ def _with_signature(method: Any, model_forward: Any) -> Any:
     def forward(self: Any, *args: Any, **kwargs: Any) -> Any:
         return method(self, *args, **kwargs)
 
-    signature = inspect.signature(model_forward)
+    signature = signature_of(model_forward)
     self_parameter = inspect.Parameter("self", inspect.Parameter.POSITIONAL_ONLY)
     forward.__signature__ = signature.replace(parameters=[self_parameter, *signature.parameters.values()])
     forward.__doc__ = getattr(model_forward, "__doc__", None)

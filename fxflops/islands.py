@@ -452,7 +452,11 @@ class MeasuredCall:
         outer = _CALLS.get(me)
         self.first = _sequence_nr()
         try:
-            self._route(self.spine.paths)
+            try:
+                self._route(self.spine.paths)
+            except Exception as exc:  # noqa: BLE001 - telemetry never breaks the model: this call is not counted
+                self.error = f"routing the measured modules: {type(exc).__name__}: {exc}"
+                return forward(*args, **kwargs)
             _CALLS[me] = self
             _push_mode(self.mode)
             return forward(*args, **kwargs)
@@ -468,7 +472,11 @@ class MeasuredCall:
                 _uninstall(module)
 
     def _route(self, spine_paths: set[str] | list[str]) -> None:
-        """Route the spine modules among ``spine_paths`` (but the root) and their children."""
+        """Route the spine modules among ``spine_paths`` (but the root) and their children. A
+        TorchScript model calls its submodules inside TorchScript: none is routed, all its ops are
+        measured as the root's."""
+        if isinstance(self.model, torch.jit.ScriptModule):
+            return
         for path in sorted(spine_paths):
             try:
                 module = self.model.get_submodule(path)

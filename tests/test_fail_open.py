@@ -439,3 +439,56 @@ def test_a_size_whose_capture_fails_outside_any_module_is_measured_at_that_size(
     for batch in (first, 4 - first, 0, 3):
         assert_counted_call(wrapper, model, (torch.randn(batch, 3, 6, 6),), True, batch)
     assert wrapper.captures == 1 and len(wrapper.measured) == 1
+
+
+class _Branching(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(16, 32), nn.Linear(32, 16)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x)))
+
+
+class _ReadsRows(_Branching):
+    def forward(self, x):  # a row count read from the values: no symbolic trace, measured
+        rows = int((x > 0).sum()) % x.shape[0] + 1
+        return self.down(torch.relu(self.up(x[:rows])))
+
+
+TORCHSCRIPT = {
+    "jit.trace": lambda: torch.jit.trace(_Branching(), torch.randn(3, 16)),
+    "jit.script": lambda: torch.jit.script(_Branching()),
+    "jit.script, values read": lambda: torch.jit.script(_ReadsRows()),
+}
+
+
+@pytest.mark.parametrize("kind", TORCHSCRIPT)
+def test_a_torchscript_model_is_counted_exactly(kind):
+    """A traced TorchScript module has no Python signature (its schema's arguments are used:
+    ``instrument()`` raised ValueError); a scripted one measured calls its submodules inside
+    TorchScript, none of them routed (every call raised RuntimeError from ``get_submodule``)."""
+    model = TORCHSCRIPT[kind]()
+    wrapper = fxflops.instrument(model, backward=True)
+    for rows in (3, 5, 7):
+        x = torch.randn(rows, 16)
+        wrapper.flops.reset()
+        wrapper(x).sum().backward()
+        with torch.utils.flop_counter.FlopCounterMode(display=False) as counter:
+            model(x).sum().backward()
+        assert wrapper.flops.total() == counter.get_total_flops() and wrapper.flops.uncounted == 0
+
+
+def test_a_fault_routing_a_measured_call_leaves_it_uncounted_never_raised(monkeypatch):
+    from fxflops.islands import MeasuredCall
+
+    def fault(self, paths):
+        raise RuntimeError("injected")
+
+    model = _ReadsRows()
+    wrapper = fxflops.instrument(model)
+    monkeypatch.setattr(MeasuredCall, "_route", fault)
+    x = torch.randn(5, 16)
+    with pytest.warns(UserWarning, match="injected"):
+        out = wrapper(x)
+    assert torch.equal(out, model(x)) and wrapper.flops.uncounted == 1 and wrapper.flops.total() == 0

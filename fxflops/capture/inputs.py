@@ -70,10 +70,28 @@ class DimSpec:
     dim: int
 
 
+def signature_of(forward: Any) -> inspect.Signature:
+    """``inspect.signature`` of a forward; for a TorchScript method that has none (``torch.jit.trace``
+    keeps no Python signature), the arguments of its schema after ``self``."""
+    try:
+        return inspect.signature(forward)
+    except (ValueError, TypeError):
+        schema = getattr(forward, "schema", None)
+        if schema is None:
+            raise
+        return inspect.Signature([
+            inspect.Parameter(
+                a.name, inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                default=a.default_value if a.has_default_value() else inspect.Parameter.empty,
+            )
+            for a in schema.arguments[1:]
+        ])
+
+
 def bind_call(forward: Any, args: tuple, kwargs: dict, signature: inspect.Signature | None = None) -> dict[str, Any]:
     """Map the call's arguments to ``forward``'s parameter names (``*args`` become ``name[i]``);
     ``signature``: ``forward``'s, when the caller keeps it (working it out costs tens of µs)."""
-    bound = (signature or inspect.signature(forward)).bind(*args, **kwargs)
+    bound = (signature or signature_of(forward)).bind(*args, **kwargs)
     named: dict[str, Any] = {}
     for name, value in bound.arguments.items():
         kind = bound.signature.parameters[name].kind
