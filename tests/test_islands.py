@@ -574,3 +574,47 @@ def test_a_measured_call_keeps_no_autograd_graph_alive():
         del out
     gc.collect()
     assert kept_alive and not any(ref() is not None for ref in kept_alive)
+
+
+def _audited_function(cls, func, types, args=(), kwargs=None):
+    """A ``__torch_function__`` doing work of its own: one more product per linear (an audit)."""
+    if func is nn.functional.linear:
+        with torch._C.DisableTorchFunctionSubclass():
+            torch.matmul(args[0], args[1].t())
+    return torch.Tensor.__torch_function__.__func__(cls, func, types, args, kwargs or {})
+
+
+class _AuditedTensor(torch.Tensor):
+    __torch_function__ = classmethod(_audited_function)
+
+
+class _AuditedParameter(nn.Parameter):
+    __torch_function__ = classmethod(_audited_function)
+
+
+class _Audited(nn.Module):
+    def __init__(self, audited_weight: bool) -> None:
+        super().__init__()
+        self.plain, self.audited = nn.Linear(16, 16), nn.Linear(16, 16)
+        if audited_weight:
+            self.audited.weight = _AuditedParameter(self.audited.weight.detach())
+
+    def forward(self, x):
+        return self.audited(self.plain(x))
+
+
+@pytest.mark.parametrize("where", ["input", "parameter"])
+def test_a_tensor_subclass_running_its_own_torch_function_is_measured(where):
+    """A fake stands for a plain tensor: a subclass's ``__torch_function__`` (an input's, a
+    parameter's) would not run in the trace, its work missing (3072 vs 4608 FLOPs). Calls with one
+    are measured: where the parameter is, or from the root for an input."""
+    model = _Audited(audited_weight=where == "parameter")
+    wrapper = fxflops.instrument(model, backward=True)
+    for rows in (3, 5):
+        x = torch.randn(rows, 16)
+        x = x.as_subclass(_AuditedTensor) if where == "input" else x
+        wrapper.flops.reset()
+        wrapper(x).sum().backward()
+        assert wrapper.flops.uncounted == 0
+        assert wrapper.flops.total() == flop_counter_call(model, (x,), {}, backward=True)
+    assert set(wrapper.measured) == ({"", "plain", "audited"} if where == "input" else {"audited"})  # where it runs

@@ -20,7 +20,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.experimental.proxy_tensor import _AttrProxy, _ModuleStackTracer, make_fx
 
 from fxflops.capture.derived import TracedSize
-from fxflops.capture.inputs import Path, put
+from fxflops.capture.inputs import Path, overrides_torch_functions, put
 from fxflops.capture.isolation import user_tensors_read_only
 from fxflops.capture.outputs import backward_roots, output_tensors
 from fxflops.capture.phases import run_backward, tagging_recompute
@@ -200,6 +200,12 @@ def trace_graph(
     leaves, tree = pytree.tree_flatten((args, kwargs))
     slots = [i for i, leaf in enumerate(leaves) if isinstance(leaf, (torch.Tensor, torch.SymInt))]  # a SymInt: a symbolic argument
     state = {**dict(model.named_parameters(remove_duplicate=False)), **dict(model.named_buffers(remove_duplicate=False))}
+    for name, tensor in state.items():  # a fake would not run its class's code: that module is measured
+        if overrides_torch_functions(tensor):
+            raise CaptureError(
+                f"{name!r} is a {type(tensor).__name__}, whose __torch_function__ runs its own code on every op",
+                module=name.rpartition(".")[0],
+            )
     derived = derived if derived is not None else {}
     derived_names = list(derived)
     # the flat input holding each derived size's source tensor (a tensor of the call)

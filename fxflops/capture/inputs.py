@@ -246,7 +246,19 @@ def _untraceable(tensor: torch.Tensor) -> str | None:
         return "is a conjugate view (conj bit set; resolve_conj() makes it plain)"
     if tensor.is_neg():
         return "is a negative view (neg bit set; resolve_neg() makes it plain)"
+    if overrides_torch_functions(tensor):
+        return f"is a {type(tensor).__name__}, whose __torch_function__ runs its own code on every op"
     return None
+
+
+def overrides_torch_functions(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s class runs its own ``__torch_function__`` (a subclass auditing, casting
+    or computing on each op): a fake stands for a plain tensor, so the trace would not run it."""
+    function = getattr(type(tensor).__torch_function__, "__func__", type(tensor).__torch_function__)
+    return function is not _TENSOR_TORCH_FUNCTION and function is not torch._C._disabled_torch_function_impl
+
+
+_TENSOR_TORCH_FUNCTION = torch.Tensor.__torch_function__.__func__
 
 
 def own_attributes(tensor: torch.Tensor) -> Mapping[str, Any]:
