@@ -20,17 +20,22 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from fxflops.meter import Meter
 from fxflops.program import Program
+from fxflops.situation import STRUCTURE
 
 
 def bill_backward(bill: BackwardBill, nodes: list, roots: list) -> None:
     """Hook ``bill`` on the output ``nodes`` of a call and on its ``roots``, the nodes its traced
     backward starts from (each hook knows its node's index among the roots, not the node)."""
     index = {id(node): i for i, node in enumerate(roots)}
-    for node in {id(node): node for node in (*nodes, *roots)}.values():
+    hooked = {id(node): node for node in (*nodes, *roots)}.values()
+    before = RemovableHandle.next_id
+    for node in hooked:
         node.register_prehook(functools.partial(bill, index.get(id(node))))
+    STRUCTURE.own_handles(before, len(hooked))  # not a change of any model's structure
 
 
 def output_nodes(tensors: list[torch.Tensor]) -> list:

@@ -235,6 +235,15 @@ class Structure:
         self._version += 1
         self._by_handle = False
 
+    def own_handles(self, before: int, made: int) -> None:
+        """fxflops made ``made`` hook handles since the handle counter was ``before`` (a backward
+        bill's hooks on a call's autograd nodes, on every training call): when no other handle was
+        made meanwhile and none before since the last look, the count does not move for them (else
+        every training call would be a re-check, and after :data:`USELESS_RECHECKS` of them handles
+        would no longer be followed: a hook added later would go unseen)."""
+        if self._handles == before and RemovableHandle.next_id == before + made:
+            self._handles = RemovableHandle.next_id
+
 
 class _Signature:
     """What a model structure's changes that fire no registration hook alter, tested on every call

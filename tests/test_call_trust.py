@@ -2450,3 +2450,21 @@ def test_a_context_variable_or_thread_local_flag_the_code_reads_is_part_of_the_s
         assert wrapper.captures == before + 1
     finally:
         _switch(how, False)
+
+
+def test_a_hook_added_after_many_training_calls_is_another_situation(monkeypatch):
+    """The backward bill's own hook handles (one set per training call) do not count as handles made
+    elsewhere: after more training calls than ``USELESS_RECHECKS``, handles are still followed, so a
+    hook added then is seen at the next call (was: the traced count until ``flops.step()``)."""
+    from fxflops.situation import STRUCTURE
+
+    monkeypatch.setattr(STRUCTURE, "useless", 0)  # as in a fresh process (other tests' handles)
+    monkeypatch.setattr(STRUCTURE, "following_handles", True)
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16))
+    wrapper = fxflops.instrument(model, backward=True)
+    x = torch.randn(4, 16)
+    for _ in range(STRUCTURE.USELESS_RECHECKS + 6):
+        wrapper(x).sum().backward()
+    assert STRUCTURE.following_handles
+    model[0].register_forward_hook(lambda module, args, out: out @ torch.eye(16))  # a probe doing a product
+    assert_counted_call(wrapper, model, (x,), True, "a hook added")
