@@ -226,7 +226,7 @@ class Instrumented(torch.nn.Module):
         """What a copy or a load rebuilds: the forward with the model's signature, the capture lock."""
         # forward keeps the model's signature: frameworks read it (the HF Trainer keeps only the
         # dataset columns that are forward parameters, and finds label names there)
-        self.forward = types.MethodType(_with_signature(type(self).forward, self._traced.forward), self)
+        self.forward = types.MethodType(_with_signature(type(self).forward, _signature_source(self._traced)), self)
         self._lock = threading.Lock()
         self._lock_owner: int | None = None  # the thread holding it
         self._attempt = threading.local()  # .failed: (branch, refusal) of a capture that failed on this thread's call
@@ -722,6 +722,21 @@ def _running(meter: Meter) -> Iterator[None]:
         yield
     finally:
         _RUNNING.meters = before
+
+
+def _signature_source(model: torch.nn.Module) -> Any:
+    """The forward whose signature the wrapper shows: the model's; for a model whose forward takes
+    only ``*args, **kwargs`` and that wraps a base model (a PEFT model's ``get_base_model()``), the
+    base model's, which is what the HF Trainer reads for a PEFT model to keep its dataset columns."""
+    forward = model.forward
+    try:
+        kinds = {p.kind for p in signature_of(forward).parameters.values()}
+        base = model.get_base_model() if hasattr(model, "get_base_model") else None
+    except Exception:  # noqa: BLE001 - a signature is a courtesy to frameworks
+        return forward
+    if kinds <= {inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD} and isinstance(base, torch.nn.Module) and base is not model:
+        return base.forward
+    return forward
 
 
 def _with_signature(method: Any, model_forward: Any) -> Any:

@@ -257,3 +257,36 @@ def test_lightning_logs_exact_flops_per_optimizer_step_and_throughput():
         assert _close(m[t + "device/mfu"], m[PREFIX + "mfu"], rel=1e-6)
         assert _close(m[t + "device/batches_per_sec"], accumulate / interval, rel=1e-6)
         assert _close(m[t + "device/samples_per_sec"], accumulate * batch / interval, rel=1e-6)
+
+
+class _AdapterWrapper(torch.nn.Module):
+    """A PEFT-style model: its forward passes everything to the model it wraps (``get_base_model``)."""
+
+    def __init__(self, base: torch.nn.Module) -> None:
+        super().__init__()
+        self.base_model = base
+
+    def get_base_model(self) -> torch.nn.Module:
+        return self.base_model
+
+    def forward(self, *args, **kwargs):
+        return self.base_model(*args, **kwargs)
+
+
+def test_the_wrapper_of_a_model_forwarding_everything_shows_its_base_models_signature():
+    """The HF Trainer keeps the dataset columns named by the forward's parameters, reading a PEFT
+    model's base model for them: the wrapper of such a model shows the base model's signature (was
+    ``(*args, **kwargs)``: every column dropped, a KeyError in the collator) and counts exactly."""
+    import inspect
+
+    from fxflops.models.tiny_gpt import TinyGPT
+    from reference import flop_counter_call
+
+    base = TinyGPT()
+    model = _AdapterWrapper(base)
+    wrapper = fxflops.instrument(model)
+    assert list(inspect.signature(wrapper.forward).parameters) == list(inspect.signature(base.forward).parameters)
+    ids = torch.randint(0, 1000, (2, 16))
+    with torch.no_grad():
+        wrapper(ids)
+        assert wrapper.flops.total() == flop_counter_call(base, (ids,), {}, backward=False)
