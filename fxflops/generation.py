@@ -9,10 +9,12 @@ not take it for a change of the model. Another thread calling the model meanwhil
 and the model's calls to itself run the model's forward unchanged; the previous ``forward`` (a
 framework's own instance-level override included) is put back when ``generate`` returns or raises.
 
-transformers >= 5 encodes a VLM's images and videos before the prefill, outside the forward
-(``get_image_features``), and hands the features over as ``mm_encoder_outputs`` when the forward
-takes that argument: the routed forward's signature leaves it out, so the vision tower runs inside
-the prefill (the same arithmetic and the same features) and is counted with it. An encoder-decoder
+transformers >= 5 encodes a VLM's images and videos before the prefill, outside the forward (its
+base model's ``get_image_features`` / ``get_video_features``), once per image, and hands the features
+over as ``mm_encoder_outputs`` (expanded for beams and returned sequences, kept for the steps of a
+generation without cache). Those calls are routed alike for the generating threads and counted, op by
+op (``fxflops/islands.py``), in the ``prefill`` phase: the model computes what it computes without
+fxflops. An encoder-decoder
 model's encoder also runs outside the forward: its ``generate`` is not counted (a warning, and the
 calls are in ``uncounted``) rather than counted without its encoder.
 
@@ -28,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -37,10 +38,9 @@ from typing import Any
 import torch
 
 
-# forward arguments through which transformers' generate hands over image and video features it
-# computed before the prefill, outside the model's forward (hidden from it while counting)
-PRE_ENCODED = ("mm_encoder_outputs",)
 ROUTED = ("forward", "_prefill")  # the model's methods a route replaces for the generating threads
+ENCODERS = ("get_image_features", "get_video_features")  # the base model's, run by generate before the prefill
+ENCODE = "encode"  # the phase a routed encoder call is counted with (as the prefill's work)
 
 
 @dataclass
@@ -60,6 +60,9 @@ class _Route:
     def __init__(self, model: torch.nn.Module) -> None:
         self.previous = {name: vars(model).get(name) for name in ROUTED}  # a framework's own overrides, or None
         self.threads: dict[int, _Generating] = {}
+        self.base = getattr(model, "base_model", model)
+        self.encoders = {name: self._counted(getattr(self.base, name), ENCODE) for name in ENCODERS if callable(getattr(self.base, name, None))}
+        self.previous_encoders = {name: vars(self.base).get(name) for name in self.encoders}
         original = model.forward
         prefill = getattr(model, "_prefill", None)  # transformers >= 5: the prefill stage is its own method
 
@@ -81,7 +84,6 @@ class _Route:
 
         forward.fxflops_own = True
         forward.fxflops_wraps = original  # what a capture's twin of the model runs (capture/isolation.py)
-        forward.__signature__ = _without(inspect.signature(original), PRE_ENCODED)
         self.methods = {"forward": forward}
         if prefill is not None:
 
@@ -101,6 +103,25 @@ class _Route:
             self.methods["_prefill"] = prefill_stage
 
 
+    def _counted(self, original: Callable[..., Any], phase: str) -> Callable[..., Any]:
+        """``original`` (an encoder method of the base model) counted as ``phase`` when a generating
+        thread calls it outside a counted forward; run as it is otherwise."""
+
+        @functools.wraps(original)
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            state = self.threads.get(threading.get_ident())
+            if state is None or state.depth:  # inside a forward: part of its count
+                return original(*args, **kwargs)
+            state.depth += 1
+            try:
+                return state.count(phase, original, args, kwargs)
+            finally:
+                state.depth -= 1
+
+        counted.fxflops_own = True
+        counted.fxflops_wraps = original
+        return counted
+
 _ROUTES: dict[int, _Route] = {}  # id(model) -> its route, while some thread generates
 _ROUTES_LOCK = threading.Lock()
 
@@ -116,6 +137,7 @@ def counting_own_calls(model: torch.nn.Module, count: Callable[..., Any]) -> Ite
         if route is None:
             route = _ROUTES[id(model)] = _Route(model)
             vars(model).update(route.methods)
+            vars(route.base).update(route.encoders)
         outer = route.threads.get(me)  # a generate inside a generate (same thread) counts on its own
         route.threads[me] = _Generating(count)
     try:
@@ -128,15 +150,17 @@ def counting_own_calls(model: torch.nn.Module, count: Callable[..., Any]) -> Ite
                 del route.threads[me]
             if not route.threads:
                 del _ROUTES[id(model)]
-                for name in route.methods:
-                    if route.previous[name] is None:
-                        vars(model).pop(name, None)
-                    else:
-                        vars(model)[name] = route.previous[name]
+                _put_back(model, route.methods, route.previous)
+                _put_back(route.base, route.encoders, route.previous_encoders)
 
 
-def _without(signature: inspect.Signature, names: tuple[str, ...]) -> inspect.Signature:
-    return signature.replace(parameters=[p for name, p in signature.parameters.items() if name not in names])
+def _put_back(owner: Any, routed: dict[str, Any], previous: dict[str, Any]) -> None:
+    """The methods a route replaced on ``owner`` as they were (an instance's own, or the class's)."""
+    for name in routed:
+        if previous[name] is None:
+            vars(owner).pop(name, None)
+        else:
+            vars(owner)[name] = previous[name]
 
 
 def generated_tokens(model: torch.nn.Module, args: tuple, kwargs: dict, out: Any) -> int:

@@ -53,7 +53,7 @@ from fxflops.capture.scope import capturing
 from fxflops.errors import CaptureError, FxFlopsError, GuardError, InputError, MetadataError, warn
 from fxflops.adapters import adapter_for
 from fxflops.backward import BackwardBill, bill_backward, output_nodes
-from fxflops.generation import counting_own_calls, generated_tokens
+from fxflops.generation import ENCODE, counting_own_calls, generated_tokens
 from fxflops.islands import MeasuredCall, Spine
 from fxflops.meter import RECOMPUTED, Meter
 from fxflops.build import build_program
@@ -362,8 +362,19 @@ class Instrumented(torch.nn.Module):
         self._add_eagerly(found, out)
         return out
 
-    def _measured(self, spine: Spine, forward: Callable[..., Any], args: tuple, kwargs: dict, phase: str = "fwd") -> Any:
-        """Run a call of a measured situation (``fxflops/islands.py``) and add it whole, or not at all."""
+    def _encoding_spine(self) -> Spine:
+        """Where ``generate``'s encoding of images before the prefill is measured: every module."""
+        spine = self.__dict__.get("_encoding")
+        if spine is None:
+            reason = "images and videos encoded by generate before the prefill, outside the forward"
+            spine = self.__dict__["_encoding"] = Spine.whole(self._traced, reason)
+        return spine
+
+    def _measured(
+        self, spine: Spine, forward: Callable[..., Any], args: tuple, kwargs: dict, phase: str = "fwd", own_call: bool = True
+    ) -> Any:
+        """Run a call of a measured situation (``fxflops/islands.py``) and add it whole, or not at all
+        (``own_call=False``: part of a call, not one of its own)."""
         if self._model is not self._traced:  # a compiled module: its submodule calls are not routed
             self._not_counted(CaptureError(f"{type(self._traced).__name__}: a measured call is not counted through torch.compile"))
             return forward(*args, **kwargs)
@@ -375,7 +386,7 @@ class Instrumented(torch.nn.Module):
             return forward(*args, **kwargs)
         out = call.run(forward, args, kwargs)
         try:
-            call.counted(out, training and _requires_grad(out), phase)
+            call.counted(out, training and _requires_grad(out), phase, own_call)
         except Exception as exc:  # noqa: BLE001 - the fail-open boundary
             self._not_counted(exc)
         return out
@@ -468,6 +479,8 @@ class Instrumented(torch.nn.Module):
             return generate(*args, **kwargs)
 
         def count(phase: str, forward: Any, call_args: tuple, call_kwargs: dict) -> Any:
+            if phase == ENCODE:  # images encoded before the prefill: measured, the prefill's work
+                return self._measured(self._encoding_spine(), forward, call_args, call_kwargs, "prefill", own_call=False)
             compiling = torch.compiler.is_compiling()  # generate compiles decode steps with a static cache on GPUs
             look_up, add = (self._look_up_eagerly, self._add_eagerly) if compiling else (self._look_up, self._add)
             call_args, call_kwargs, found = look_up(call_args, call_kwargs)

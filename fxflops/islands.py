@@ -558,9 +558,10 @@ class MeasuredCall:
             _push_mode(self.mode)
 
     # ---- counting ------------------------------------------------------------------------
-    def counted(self, out: Any, training: bool, phase: str = "fwd") -> None:
+    def counted(self, out: Any, training: bool, phase: str = "fwd", call: bool = True) -> None:
         """Add the call to the owner's meter (every part, or nothing: raises naming the failed part);
-        ``training``: a backward follows (else the forward counts as ``phase``)."""
+        ``training``: a backward follows (else the forward counts as ``phase``); ``call=False``: a
+        part of a call (not counted as a call of its own)."""
         if self.error is None and self.mode.error is not None:
             self.error = self.mode.error
         if self.error is not None:
@@ -574,7 +575,7 @@ class MeasuredCall:
         columns = self.spine.columns
         program, monomials = columns.monomials(self.work, self.model, self.spine, self.owner._backward)
         meter = self.owner.flops
-        meter.add(program, monomials, training, phase=phase)  # its own backward: measured as it runs (_measure_backward)
+        meter.add(program, monomials, training, phase=phase, call=call)  # its own backward: measured as it runs (_measure_backward)
         for child_program, child_monomials, child, roots in parts:
             self._add_child(child_program, child_monomials, child, roots, training)
         if training and self.owner._backward == "traced":
