@@ -127,9 +127,10 @@ _ROUTES_LOCK = threading.Lock()
 
 
 @contextlib.contextmanager
-def counting_own_calls(model: torch.nn.Module, count: Callable[..., Any]) -> Iterator[None]:
+def counting_own_calls(model: torch.nn.Module, count: Callable[..., Any]) -> Iterator[_Generating]:
     """For the block, in this thread: ``model``'s own top-level calls run ``count(phase, forward,
-    args, kwargs)`` instead of ``forward(*args, **kwargs)`` (see the module docstring). Threads
+    args, kwargs)`` instead of ``forward(*args, **kwargs)`` (see the module docstring); yields the
+    thread's counters (``calls``: the forwards counted). Threads
     generating through one model at once share its route; the last one out puts the model back."""
     me = threading.get_ident()
     with _ROUTES_LOCK:
@@ -139,9 +140,9 @@ def counting_own_calls(model: torch.nn.Module, count: Callable[..., Any]) -> Ite
             vars(model).update(route.methods)
             vars(route.base).update(route.encoders)
         outer = route.threads.get(me)  # a generate inside a generate (same thread) counts on its own
-        route.threads[me] = _Generating(count)
+        route.threads[me] = state = _Generating(count)
     try:
-        yield
+        yield state
     finally:
         with _ROUTES_LOCK:
             if outer is not None:

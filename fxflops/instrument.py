@@ -492,14 +492,21 @@ class Instrumented(torch.nn.Module):
             add(found, out, phase)
             return out
 
+        state = None
         with contextlib.ExitStack() as stack:
             try:  # routing the model's own calls can fail only before generate starts: then run it uncounted
-                stack.enter_context(counting_own_calls(self._traced, count))
+                state = stack.enter_context(counting_own_calls(self._traced, count))
             except Exception as exc:  # noqa: BLE001 - the fail-open boundary
                 self._not_counted(exc)
             out = generate(*args, **kwargs)
         try:
-            self.flops.add_generated_tokens(generated_tokens(self._traced, args, kwargs, out))
+            tokens = generated_tokens(self._traced, args, kwargs, out)
+            if state is not None and state.calls == 0 and tokens:  # its forwards ran elsewhere: none counted
+                raise CaptureError(
+                    f"{type(self._traced).__name__}.generate produced {tokens} tokens through another model's forward "
+                    "(a wrapper's generate handing over to the model it wraps): not counted; instrument that model"
+                )
+            self.flops.add_generated_tokens(tokens)
         except Exception as exc:  # noqa: BLE001 - the fail-open boundary
             self._not_counted(exc)
         return out

@@ -290,3 +290,29 @@ def test_a_chunked_prefill_is_counted_as_prefill_chunk_by_chunk():
         assert prefill == _reference(model, prompt, **dict(generation, max_new_tokens=1, min_new_tokens=1)), (batch, length, chunk)
         assert prefill + decode == _reference(model, prompt, **generation), (batch, length, chunk)
     assert "_prefill" not in vars(model) and "forward" not in vars(model)
+
+
+class _HandsOver(torch.nn.Module):
+    """A PEFT-style wrapper: its ``generate`` is the wrapped model's, whose forwards it never sees."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, *args, **kwargs):
+        return self.inner(*args, **kwargs)
+
+    def generate(self, *args, **kwargs):
+        return self.inner.generate(*args, **kwargs)
+
+
+def test_a_generate_whose_forwards_run_in_another_model_is_not_counted_and_said():
+    """Tokens produced with no forward of the instrumented model counted (a PEFT model's generate
+    hands over to its base model's): the call is uncounted and said (was: 0 FLOPs, no warning)."""
+    inner = _text_model("llama", "eager")
+    wrapper = fxflops.instrument(_HandsOver(inner))
+    prompt = _prompt(1, 6, 0)
+    with pytest.warns(UserWarning, match="through another model's forward"):
+        out = wrapper.generate(**prompt, max_new_tokens=4, do_sample=False)
+    assert torch.equal(out, inner.generate(**prompt, max_new_tokens=4, do_sample=False))
+    assert wrapper.flops.uncounted == 1 and wrapper.flops.total() == 0 and wrapper.flops.generated_tokens == 0
