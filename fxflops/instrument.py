@@ -598,6 +598,9 @@ class Instrumented(torch.nn.Module):
                     raise GuardError(reason)
                 return self._measured_whole(branch, sizes, reason, "max_programs", _MAX_PROGRAMS_ADVICE), None
             if refused is not None:
+                if self._measure and branch.attempts >= MAX_ATTEMPTS and any(r.spine is not None for r in branch.refusals):
+                    # measured in the states tried (a data-dependent line): measuring is exact in this one too
+                    return self._measured_whole(branch, sizes, refused.reason, "attempts", _MEASURED_ADVICE), None
                 raise CaptureError(refused.reason, module=refused.module)
             if self._measure and _lazy(self._traced):  # its first call makes its parameters: measured, then captured
                 return Spine.whole(self._traced, f"{name} has parameters its first call makes (a lazy module)"), None

@@ -618,3 +618,33 @@ def test_a_tensor_subclass_running_its_own_torch_function_is_measured(where):
         assert wrapper.flops.uncounted == 0
         assert wrapper.flops.total() == flop_counter_call(model, (x,), {}, backward=True)
     assert set(wrapper.measured) == ({"", "plain", "audited"} if where == "input" else {"audited"})  # where it runs
+
+
+class _GainBranch(nn.Module):
+    """Its root reads a buffer's value (``.item()``): every call is measured there."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(16, 32), nn.Linear(32, 16)
+        self.register_buffer("gain", torch.ones(1))
+
+    def forward(self, x):
+        if self.gain.item() > 1.5:
+            x = x * 2
+        return self.down(torch.relu(self.up(x)))
+
+
+def test_a_measured_model_in_more_states_than_captures_are_tried_stays_measured():
+    """Each model state (here: differently sized layers swapped in) tries its own capture, which
+    fails where the value is read and is measured there; after ``MAX_ATTEMPTS`` states the calls of
+    a new one are measured whole, exact (was: refused, uncounted)."""
+    model = _GainBranch()
+    wrapper = fxflops.instrument(model)
+    x = torch.randn(2, 5, 16)
+    for width in (32, 8, 24, 40, 12):
+        model.up, model.down = nn.Linear(16, width), nn.Linear(width, 16)
+        with torch.no_grad():
+            wrapper.flops.reset()
+            wrapper(x)
+        assert wrapper.flops.uncounted == 0, width
+        assert wrapper.flops.total() == flop_counter_call(model, (x,), {}, backward=False), width
