@@ -181,6 +181,8 @@ def code_reads(model: torch.nn.Module, called: dict[str, set[str]], functions: l
                 used.add(where)
         class_attributes |= _class_attributes_read(fn.__code__)
     found.update(_class_reads(model, class_attributes, found))
+    for name, read in _torch_module_functions(model):  # torch's own module classes run torch functions too
+        found.setdefault((namespace_id(read.namespace), read.key), read)
     for where in module_attributes:  # one the code assigns (``cfg.calls += 1``) is its bookkeeping, as an assigned global
         if where[1] in attributes_set:
             read = found[where]
@@ -667,6 +669,24 @@ def _torch_functions(fn: types.FunctionType, instructions: list[dis.Instruction]
             if callable(value) and not isinstance(value, type):
                 yield "." + step.argval, CodeRead(f"{path} (called by {fn.__qualname__})", namespace, step.argval, value, "is")
             break
+
+
+def _torch_module_functions(model: torch.nn.Module) -> Iterator[tuple[str, CodeRead]]:
+    """The torch functions the forwards of torch's own module classes in the model call through a
+    module (``nn.Linear.forward`` calls ``F.linear``, ``nn.Conv2d``'s ``_conv_forward`` calls
+    ``F.conv2d``), and the methods of the class that forward names: one patched in its module (a
+    low-rank adapter's ``F.linear``) runs other work in every such layer. Not their other reads
+    (torch's code is not walked)."""
+    seen: set[int] = set()
+    for _, module in named_modules(model):
+        cls = type(module)
+        forward = getattr(cls, "forward", None)
+        if id(cls) in seen or not isinstance(forward, types.FunctionType) or not _of_torch(forward.__module__ or ""):
+            continue
+        seen.add(id(cls))
+        named = (getattr(cls, name, None) for name in forward.__code__.co_names)
+        for fn in (forward, *(f for f in named if isinstance(f, types.FunctionType) and _of_torch(f.__module__ or ""))):
+            yield from _torch_functions(fn, _instructions(fn.__code__))
 
 
 def _of_torch(name: str) -> bool:

@@ -2468,3 +2468,37 @@ def test_a_hook_added_after_many_training_calls_is_another_situation(monkeypatch
     assert STRUCTURE.following_handles
     model[0].register_forward_hook(lambda module, args, out: out @ torch.eye(16))  # a probe doing a product
     assert_counted_call(wrapper, model, (x,), True, "a hook added")
+
+
+def _conv_twice(x, weight, bias=None, *args):  # a patched convolution: one more per call
+    return _TORCH_CONV(x, weight, bias, *args) + _TORCH_CONV(x, weight, None, *args)
+
+
+_TORCH_CONV = nn.functional.conv2d
+
+
+class _TorchLayers(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv, self.fc = nn.Conv2d(3, 4, 3, padding=1), nn.Linear(4 * 8 * 8, 8)
+
+    def forward(self, x):
+        return self.fc(self.conv(x).flatten(1))
+
+
+@pytest.mark.parametrize("backward", [False, True])
+def test_a_torch_function_patched_under_torchs_own_layers_is_another_situation(backward, monkeypatch):
+    """``nn.Linear.forward`` calls ``F.linear``, ``nn.Conv2d``'s ``_conv_forward`` ``F.conv2d``:
+    patched in torch's module (a low-rank adapter), every such layer runs other work (was: the
+    traced count, 4096 vs 6144 FLOPs)."""
+    model = _TorchLayers()
+    wrapper = fxflops.instrument(model, backward=backward)
+    x = torch.randn(2, 3, 8, 8)
+    assert_counted_call(wrapper, model, (x,), backward, "traced")
+    monkeypatch.setattr(nn.functional, "linear", _with_adapter)
+    assert_counted_call(wrapper, model, (x,), backward, "F.linear patched")
+    monkeypatch.setattr(nn.functional, "conv2d", _conv_twice)
+    assert_counted_call(wrapper, model, (x,), backward, "F.conv2d patched too")
+    monkeypatch.undo()
+    assert_counted_call(wrapper, model, (x,), backward, "restored")
+    assert wrapper.captures == 3
