@@ -243,9 +243,31 @@ def _container_read(read: CodeRead, changed: bool, used: bool) -> CodeRead:
         return dataclasses.replace(read, expected=value, test="is")
     if changed:
         return dataclasses.replace(read, expected=Entries(value, keys=True), test="==")
+    if read.test == "is" and isinstance(value, dict) and len(value) <= MAX_COMPARED and all(
+        isinstance(v, _BY_IDENTITY) or plain(v) for v in value.values()
+    ):  # a table of functions (an activation by name): an entry replaced runs other code
+        return dataclasses.replace(read, expected=SameEntries(value), test="==")
     if read.test == "is":
         return dataclasses.replace(read, expected=Entries(value, keys=False), test="==")
     return read
+
+
+class SameEntries:
+    """The expected value of a dict of functions and plain values the code reads (an ``ACT2FN``
+    table): the same dict holding the same entries, functions by identity."""
+
+    __slots__ = ("container", "copy")
+
+    def __init__(self, container: dict) -> None:
+        self.container, self.copy = container, dict(container)
+
+    def __eq__(self, other: object) -> bool:
+        return other is self.container and other == self.copy
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"{type(self.container).__name__} of {len(self.copy)} functions and values"
 
 
 class Entries:

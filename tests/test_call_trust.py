@@ -2502,3 +2502,37 @@ def test_a_torch_function_patched_under_torchs_own_layers_is_another_situation(b
     monkeypatch.undo()
     assert_counted_call(wrapper, model, (x,), backward, "restored")
     assert wrapper.captures == 3
+
+
+def _light(h):
+    return torch.relu(h)
+
+
+def _heavy(h):
+    return torch.relu(h) @ torch.eye(h.shape[-1])
+
+
+ACTIVATIONS = {"act": _light, "scale": 1}  # a table of functions by name (transformers' ACT2FN style)
+
+
+class _ActivationByName(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return ACTIVATIONS["act"](self.fc(x))
+
+
+def test_an_entry_replaced_in_a_module_level_table_of_functions_is_another_situation(monkeypatch):
+    """A module-level dict of functions the code reads an entry of: one replaced runs other work
+    (was: compared by its number of entries, 2048 vs 4096 FLOPs)."""
+    model = _ActivationByName()
+    wrapper = fxflops.instrument(model)
+    x = torch.randn(4, 16)
+    assert_counted_call(wrapper, model, (x,), False, "traced")
+    monkeypatch.setitem(ACTIVATIONS, "act", _heavy)
+    assert_counted_call(wrapper, model, (x,), False, "the entry replaced")
+    monkeypatch.undo()
+    assert_counted_call(wrapper, model, (x,), False, "restored")
+    assert wrapper.captures == 2
