@@ -112,7 +112,7 @@ class BackwardBill:
                 self.meter.add(self.program, self.monomials, prefix=self.prefix, call=False, backward=True)
                 return
             self.meter.not_counted()
-            self.warn(f"{why}; call backward() on a loss of every output")
+            self.warn(f"{why}; call backward() on the call's loss (out.loss) when it returns one, else on a loss of every output")
         except Exception:  # noqa: BLE001, S110 - a backward is never broken by telemetry
             self.meter.not_counted()
 
