@@ -478,3 +478,18 @@ def test_generation_counts_the_kept_triples_of_every_decode_step(attn):
     )
     assert wrapper.flops.total("prefill") - wrapper.flops.total("prefill", convention=EXACT) == attention_core(2 * 36) - attention_core(kept_triples(mask, 6))
     assert wrapper.flops.total("decode") - wrapper.flops.total("decode", convention=EXACT) == decode_dense - decode_kept
+
+
+def test_an_eager_attention_mask_that_is_not_read_is_said():
+    """Without ``attention_mask``, ``position_ids`` and a cache, transformers builds the mask from the
+    runs of positions it makes itself (``find_packed_sequence_indices`` of an ``arange``), which the
+    mask reader does not follow: counted dense under every convention, causal ones too, and now
+    said in the notes (was: no note). With positions given, the same mask is read as causal."""
+    model = _text_model("llama", "eager").eval()
+    ids = torch.randint(1, 64, (1, 7))
+    with torch.no_grad():
+        unread = fxflops.trace(model, (), {"input_ids": ids, "use_cache": False})
+        read = fxflops.trace(model, (), {"input_ids": ids, "use_cache": False, "position_ids": torch.arange(7)[None]})
+    assert any("mask that is not read" in note for note in unread.notes)
+    assert not any("mask that is not read" in note for note in read.notes)
+    assert any("read from the graph as causal" in note for note in read.notes)

@@ -84,6 +84,15 @@ def mask_notes(node: torch.fx.Node, path: str) -> list[str]:
     ]
 
 
+def unread_eager_note(path: str) -> str:
+    """Attention written as matrix products whose mask is not read from the graph (built in a way
+    :func:`read_causal` does not follow): counted dense under every convention; say so."""
+    return (
+        f"{path or '<root>'}: attention as matrix products (eager) with a mask that is not read from the graph; "
+        "counted as the dense work, masked entries included, under every convention (causal ones too)"
+    )
+
+
 def axis(a: int) -> sympy.Symbol:
     """The index along the ``a``-th dim counted from the last one (0: keys, 1: queries, 3: batch)."""
     return sympy.Symbol(f"x{a}", integer=True, nonnegative=True)

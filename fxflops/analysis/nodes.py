@@ -25,7 +25,7 @@ from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 from fxflops.analysis.lifted import per_segment_terms
 from fxflops.analysis.masks import (
     CausalMask, KeptPairs, MaskReader, eager_attention, given_arguments, is_causal, mask_argument, mask_notes, pairs_kept,
-    read_causal, whole_blocks,
+    read_causal, unread_eager_note, whole_blocks,
 )
 from fxflops.analysis.moe import expert_modules, routed_rows_as_pairs, router_nodes
 from fxflops.analysis.paths import inside, join, module_path
@@ -219,7 +219,10 @@ class NodeRules:
         if flops != 0:
             term = Term(node.name, str(node.target), path, phase, flops, entry.kind, exact, node in self.routers, _static_dims(args), half)
             self.terms += _split_recompute(term, entry, args, kwargs, out_shape)
-            self.notes += mask_notes(node, path) if masked is None else []
+            if masked is None:
+                self.notes += mask_notes(node, path)
+                if node in self.eager and node is self.eager[node].scores:
+                    self.notes.append(unread_eager_note(path))
 
     def _apply(
         self, entry: Entry, node: torch.fx.Node, path: str, args: list, kwargs: dict, out_shape: Any
