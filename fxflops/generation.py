@@ -54,37 +54,27 @@ class _Generating:
 
 
 class _Route:
-    """The routed forward (and prefill stage) installed on one model while any thread generates
-    through it: one dispatcher, each generating thread with its own count function and counters."""
+    """The routed forward (and prefill stage, and its base model's image and video encoders)
+    installed on one model while any thread generates through it: one dispatcher, each generating
+    thread with its own count function and counters."""
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.previous = {name: vars(model).get(name) for name in ROUTED}  # a framework's own overrides, or None
         self.threads: dict[int, _Generating] = {}
         self.base = getattr(model, "base_model", model)
-        self.encoders = {name: self._counted(getattr(self.base, name), ENCODE) for name in ENCODERS if callable(getattr(self.base, name, None))}
+        self.encoders = {
+            name: self._counted(getattr(self.base, name), lambda state: ENCODE, False)
+            for name in ENCODERS if callable(getattr(self.base, name, None))
+        }
         self.previous_encoders = {name: vars(self.base).get(name) for name in self.encoders}
-        original = model.forward
         prefill = getattr(model, "_prefill", None)  # transformers >= 5: the prefill stage is its own method
 
-        @functools.wraps(original)
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            state = self.threads.get(threading.get_ident())
-            if state is None or state.depth:
-                return original(*args, **kwargs)
+        def phase(state: _Generating) -> str:
             if prefill is not None:
-                phase = "prefill" if state.prefilling else "decode"
-            else:  # without a prefill stage to watch: the first forward is the prompt's
-                phase = "prefill" if state.calls == 0 else "decode"
-            state.calls += 1
-            state.depth += 1
-            try:
-                return state.count(phase, original, args, kwargs)
-            finally:
-                state.depth -= 1
+                return "prefill" if state.prefilling else "decode"
+            return "prefill" if state.calls == 0 else "decode"  # no prefill stage to watch: the first forward is the prompt's
 
-        forward.fxflops_own = True
-        forward.fxflops_wraps = original  # what a capture's twin of the model runs (capture/isolation.py)
-        self.methods = {"forward": forward}
+        self.methods = {"forward": self._counted(model.forward, phase, True)}
         if prefill is not None:
 
             @functools.wraps(prefill)
@@ -102,25 +92,28 @@ class _Route:
             prefill_stage.fxflops_wraps = prefill
             self.methods["_prefill"] = prefill_stage
 
-
-    def _counted(self, original: Callable[..., Any], phase: str) -> Callable[..., Any]:
-        """``original`` (an encoder method of the base model) counted as ``phase`` when a generating
-        thread calls it outside a counted forward; run as it is otherwise."""
+    def _counted(self, original: Callable[..., Any], phase: Callable[[_Generating], str], call: bool) -> Callable[..., Any]:
+        """``original`` (the model's forward; an encoder method of its base model) counted as
+        ``phase(state)`` when a generating thread calls it outside a counted forward (``call``: one
+        of the forwards it counts); run as it is otherwise (another thread, the model calling itself)."""
 
         @functools.wraps(original)
         def counted(*args: Any, **kwargs: Any) -> Any:
             state = self.threads.get(threading.get_ident())
             if state is None or state.depth:  # inside a forward: part of its count
                 return original(*args, **kwargs)
+            now = phase(state)
+            state.calls += call
             state.depth += 1
             try:
-                return state.count(phase, original, args, kwargs)
+                return state.count(now, original, args, kwargs)
             finally:
                 state.depth -= 1
 
         counted.fxflops_own = True
-        counted.fxflops_wraps = original
+        counted.fxflops_wraps = original  # what a capture's twin of the model runs (capture/isolation.py)
         return counted
+
 
 _ROUTES: dict[int, _Route] = {}  # id(model) -> its route, while some thread generates
 _ROUTES_LOCK = threading.Lock()
