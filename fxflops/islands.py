@@ -48,6 +48,7 @@ import sympy
 import torch
 import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack, _pop_mode, _push_mode
+from torch.utils.hooks import RemovableHandle
 
 from fxflops.analysis import Analysis
 from fxflops.analysis.masks import CAUSAL_ARGUMENTS
@@ -64,6 +65,7 @@ from fxflops.rules import entry_for, overlaid, registry_version
 from fxflops.rules.not_counted import touches_floats
 from fxflops.rules.registry import shape_of
 from fxflops.rules.work import work_without_rule
+from fxflops.situation import STRUCTURE
 
 if TYPE_CHECKING:
     from fxflops.instrument import Instrumented
@@ -580,9 +582,11 @@ class MeasuredCall:
             self._add_child(child_program, child_monomials, child, roots, training)
         if training and self.owner._backward == "traced":
             graphed = _GraphRecorded(self.owner)
+            before = RemovableHandle.next_id
             for node in self.own_nodes:
                 module = self.seen.get(node._sequence_nr(), max(self.spine.paths, key=len))
                 _measure_backward(node, self.owner, self.spine, self.model, module, graphed)
+            STRUCTURE.own_handles(before, 2 * len(self.own_nodes))  # a pre- and a post-hook each: fxflops' own
         self.children, self.own_nodes = [], []  # nothing of the call's autograd graph stays held
 
     def _add_child(self, program: Program, monomials: tuple, child: _ChildCall, roots: tuple[int, ...] | None, training: bool) -> None:

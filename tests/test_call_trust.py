@@ -2452,21 +2452,37 @@ def test_a_context_variable_or_thread_local_flag_the_code_reads_is_part_of_the_s
         _switch(how, False)
 
 
-def test_a_hook_added_after_many_training_calls_is_another_situation(monkeypatch):
-    """The backward bill's own hook handles (one set per training call) do not count as handles made
-    elsewhere: after more training calls than ``USELESS_RECHECKS``, handles are still followed, so a
-    hook added then is seen at the next call (was: the traced count until ``flops.step()``)."""
+class _MeasuredRoot(nn.Module):
+    """Its root reads a value (measured there) and multiplies in its own code (measured backward hooks)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.out = nn.Linear(16, 16), nn.Linear(16, 16)
+        self.mix = nn.Parameter(torch.eye(16))
+
+    def forward(self, x):
+        rows = int((x[:, 0] > -10).sum())  # every row: a value read, the capture fails at the root
+        return self.out(self.fc(x[:rows]) @ self.mix)
+
+
+@pytest.mark.parametrize("kind", ["symbolic", "measured"])
+def test_a_hook_added_after_many_training_calls_is_another_situation(kind, monkeypatch):
+    """fxflops' own hook handles made on every training call (the backward bill's; a measured call's
+    backward hooks) do not count as handles made elsewhere: after more training calls than
+    ``USELESS_RECHECKS``, handles are still followed, so a hook added then is seen at the next call
+    (was: the traced count until ``flops.step()``)."""
     from fxflops.situation import STRUCTURE
 
     monkeypatch.setattr(STRUCTURE, "useless", 0)  # as in a fresh process (other tests' handles)
     monkeypatch.setattr(STRUCTURE, "following_handles", True)
-    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16))
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16)) if kind == "symbolic" else _MeasuredRoot()
     wrapper = fxflops.instrument(model, backward=True)
     x = torch.randn(4, 16)
     for _ in range(STRUCTURE.USELESS_RECHECKS + 6):
         wrapper(x).sum().backward()
-    assert STRUCTURE.following_handles
-    model[0].register_forward_hook(lambda module, args, out: out @ torch.eye(16))  # a probe doing a product
+    assert STRUCTURE.following_handles and bool(wrapper.measured) == (kind == "measured")
+    first = model[0] if kind == "symbolic" else model.fc
+    first.register_forward_hook(lambda module, args, out: out @ torch.eye(16))  # a probe doing a product
     assert_counted_call(wrapper, model, (x,), True, "a hook added")
 
 
