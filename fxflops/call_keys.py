@@ -97,7 +97,7 @@ def _key(value: Any, shapes: bool, held: list | None) -> Any:
         if kind is slice:  # not hashable before Python 3.12
             return (kind, _slice_fields(value))
         return (kind, value)
-    if kind is not list and kind is not tuple and kind is not dict and opaque_container(value):
+    if opaque_container(value):
         shapes = True  # its tensors are constants of the trace: their shapes are the call's
     if kind is list or kind is tuple or isinstance(value, SEQUENCES):
         return (kind, tuple([_key(v, shapes, held) for v in value]))

@@ -48,7 +48,7 @@ import torch.utils.checkpoint as checkpoint_module
 from fxflops.call_keys import CallKeys
 from fxflops.capture.engines import not_a_microbatch, traced_module, transform_around
 from fxflops.capture.inputs import signature_of
-from fxflops.capture.outputs import backward_roots, hidden_tensors, output_tensors
+from fxflops.capture.outputs import backward_roots, output_tensors
 from fxflops.capture.scope import capturing
 from fxflops.errors import CaptureError, FxFlopsError, GuardError, InputError, MetadataError, warn
 from fxflops.adapters import adapter_for
@@ -782,14 +782,15 @@ def _joined(prefix: str, path: str) -> str:
 def _requires_grad(out: Any) -> bool:
     """True if any tensor in the output requires grad (so a backward can follow this forward). An
     output hiding tensors (an iterator, a generator, whose tensors exist only once consumed; objects
-    nested too deep: ``hidden_tensors``): whether a backward follows cannot be seen, so such a call
+    nested too deep: ``output_tensors``): whether a backward follows cannot be seen, so such a call
     is refused (FxFlopsError), never counted as a forward."""
     if isinstance(out, torch.Tensor):
         return out.requires_grad
-    hidden = hidden_tensors(out)
+    hidden: list[str] = []
+    tensors = output_tensors(out, hidden)
     if hidden:
-        raise FxFlopsError(f"{hidden}: whether a backward follows this call cannot be seen")
-    return any(t.requires_grad for t in output_tensors(out))
+        raise FxFlopsError(f"{hidden[0]}: whether a backward follows this call cannot be seen")
+    return any(t.requires_grad for t in tensors)
 
 
 def instrument(

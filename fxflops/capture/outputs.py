@@ -24,22 +24,16 @@ _SKIPPED = (  # hold no output: modules, classes, text, functions (a closure's c
 )
 
 
-def output_tensors(out: Any) -> list[torch.Tensor]:
+def output_tensors(out: Any, hidden: list[str] | None = None) -> list[torch.Tensor]:
     """Every tensor of ``out``, in a fixed order: pytree's leaves, and inside a leaf pytree does not
     know (a dataclass, a dict or list subclass, a plain object), what it holds (:func:`_fields`,
-    recursively, :data:`MAX_DEPTH` deep)."""
+    recursively, :data:`MAX_DEPTH` deep). ``hidden`` gets why tensors of ``out`` may be out of
+    sight: an iterator (a generator), whose tensors exist only once it is consumed, or objects nested
+    deeper than :data:`MAX_DEPTH` (which of them a backward starts from cannot be seen when the call
+    returns)."""
     found: list[torch.Tensor] = []
-    _collect(out, found, 0)
+    _collect(out, found, 0, set(), hidden)
     return found
-
-
-def hidden_tensors(out: Any) -> str:
-    """Why tensors of ``out`` may be out of sight ("" when none are): an iterator (a generator),
-    whose tensors exist only once it is consumed, or objects nested deeper than :data:`MAX_DEPTH`.
-    Which of them a backward starts from cannot be seen when the call returns."""
-    hidden: list[str] = []
-    _collect(out, [], 0, hidden=hidden)
-    return hidden[0] if hidden else ""
 
 
 def loss_of(out: Any) -> Any:
@@ -76,9 +70,8 @@ def _field(out: Any, name: str) -> Any:
     return None
 
 
-def _collect(value: Any, found: list[torch.Tensor], depth: int, seen: set[int] | None = None, hidden: list[str] | None = None) -> None:
+def _collect(value: Any, found: list[torch.Tensor], depth: int, seen: set[int], hidden: list[str] | None) -> None:
     """Add the tensors of ``value`` to ``found``; why some cannot be seen to ``hidden``."""
-    seen = set() if seen is None else seen
     for leaf in pytree.tree_leaves(value):
         if isinstance(leaf, torch.Tensor):
             found.append(leaf)
