@@ -243,31 +243,12 @@ def _container_read(read: CodeRead, changed: bool, used: bool) -> CodeRead:
         return dataclasses.replace(read, expected=value, test="is")
     if changed:
         return dataclasses.replace(read, expected=Entries(value, keys=True), test="==")
-    if read.test == "is" and isinstance(value, dict) and len(value) <= MAX_COMPARED and all(
-        isinstance(v, _BY_IDENTITY) or plain(v) for v in value.values()
-    ):  # a table of functions (an activation by name): an entry replaced runs other code
-        return dataclasses.replace(read, expected=SameEntries(value), test="==")
+    table = RegistryContents(value) if read.test == "is" and isinstance(value, dict) else None
+    if table is not None and table.dicts:  # a table of functions (an activation by name): an entry replaced runs other code
+        return dataclasses.replace(read, expected=table, test="==")
     if read.test == "is":
         return dataclasses.replace(read, expected=Entries(value, keys=False), test="==")
     return read
-
-
-class SameEntries:
-    """The expected value of a dict of functions and plain values the code reads (an ``ACT2FN``
-    table): the same dict holding the same entries, functions by identity."""
-
-    __slots__ = ("container", "copy")
-
-    def __init__(self, container: dict) -> None:
-        self.container, self.copy = container, dict(container)
-
-    def __eq__(self, other: object) -> bool:
-        return other is self.container and other == self.copy
-
-    __hash__ = None  # type: ignore[assignment]
-
-    def __repr__(self) -> str:
-        return f"{type(self.container).__name__} of {len(self.copy)} functions and values"
 
 
 class Entries:
@@ -1364,20 +1345,18 @@ _BY_IDENTITY = (types.FunctionType, types.BuiltinFunctionType, type, functools.p
 
 class RegistryContents:
     """The expected value of a mapping that is not a dict, such as transformers'
-    ``ALL_ATTENTION_FUNCTIONS`` (which keeps its entries in a class-level and an instance dict): the
-    same object, each dict of functions or plain values it or its classes keep equal to a copy
-    (functions by identity: an attention function registered over ``"sdpa"`` after the first call
-    is another situation)."""
+    ``ALL_ATTENTION_FUNCTIONS`` (which keeps its entries in a class-level and an instance dict), or
+    of a dict of functions (an ``ACT2FN``-style table): the same object, each dict of functions or
+    plain values it (or it and its classes) keep equal to a copy (functions by identity: an
+    attention function registered over ``"sdpa"`` after the first call is another situation)."""
 
     __slots__ = ("registry", "dicts", "copies")
 
     def __init__(self, registry: Any) -> None:
-        namespaces = [*([vars(registry)] if hasattr(registry, "__dict__") else []), *(vars(c) for c in type(registry).__mro__)]
         self.registry = registry
         self.dicts = tuple(
-            d for namespace in namespaces for name, d in namespace.items()
-            if not name.startswith("__") and type(d) is dict and len(d) <= MAX_COMPARED
-            and all(isinstance(v, _BY_IDENTITY) or plain(v) for v in d.values())
+            d for d in _held_dicts(registry)
+            if len(d) <= MAX_COMPARED and all(isinstance(v, _BY_IDENTITY) or plain(v) for v in d.values())
         )
         self.copies = tuple(dict(d) for d in self.dicts)
 
@@ -1393,6 +1372,14 @@ class RegistryContents:
 
     def __repr__(self) -> str:
         return f"{type(self.registry).__name__} with {sum(map(len, self.dicts))} entries"
+
+
+def _held_dicts(registry: Any) -> list[dict]:
+    """A dict itself; else the dicts a registry object and its classes keep (not their dunders)."""
+    if isinstance(registry, dict):
+        return [registry]
+    namespaces = [*([vars(registry)] if hasattr(registry, "__dict__") else []), *(vars(c) for c in type(registry).__mro__)]
+    return [d for namespace in namespaces for name, d in namespace.items() if not name.startswith("__") and type(d) is dict]
 
 
 _PLAIN_CONTAINERS = (tuple, list, dict, set, frozenset)
